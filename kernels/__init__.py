@@ -1,1 +1,6 @@
+"""Triton kernels for the model's hot paths, one fused op per file beside its torch reference.
 
+`quant.py` (FP8 / FP4-E4M3 / MXFP4 fake quant and quantise+pack, bit-exact), `mhc.py` (fused
+Single-Pass mHC boundary, forward and backward), `sparse_attn.py` (gathered-index CSA attention with
+sink, forward and backward). Nothing is imported here, so `import kernels` stays free of Triton.
+"""

@@ -1,0 +1,372 @@
+"""Benchmark of the Triton kernels against their torch references, one JSON line per measurement.
+
+    python bench/kernels.py [--quick] [--only quant,mhc,attn]
+
+For each kernel, in one process on one GPU: Triton time (best of a small tile sweep), the torch
+reference eager and under `torch.compile`, achieved GB/s (bytes the op must move) or TFLOP/s, and
+the fraction of the H200 peaks (4.8 TB/s HBM nominal, ~790 TFLOP/s dense bf16 measured) and of the
+device-to-device copy bandwidth measured here. Needs CUDA; it is not a test and checks nothing
+beyond a quick max-error line per kernel (the parity tests are tests/kernels/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_PEAK = 4.8e12
+BF16_PEAK = 790e12
+
+
+def _bench(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench: L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _emit(rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+
+
+def _rates(ms: float, nbytes: float | None = None, flops: float | None = None, copy_bw: float | None = None):
+    out = {"ms": round(ms, 5)}
+    if nbytes is not None:
+        bw = nbytes / (ms * 1e-3)
+        out |= {"GB_s": round(bw / 1e9, 1), "frac_hbm_peak": round(bw / HBM_PEAK, 3)}
+        if copy_bw:
+            out["frac_copy_bw"] = round(bw / copy_bw, 3)
+    if flops is not None:
+        tf = flops / (ms * 1e-3)
+        out |= {"TFLOP_s": round(tf / 1e12, 1), "frac_bf16_peak": round(tf / BF16_PEAK, 3)}
+    return out
+
+
+def _try_compile(fn, wrap: bool = True):
+    try:
+        cfn = torch.compile(fn) if wrap else fn
+        cfn()  # compile now, outside the timed region
+        return cfn
+    except Exception as e:  # report, keep benchmarking the rest
+        _emit({"warning": f"torch.compile failed: {type(e).__name__}: {str(e)[:200]}"})
+        return None
+
+
+def _compare(
+    name: str,
+    triton_fn,
+    eager_fn,
+    nbytes=None,
+    flops=None,
+    copy_bw=None,
+    sweep=None,
+    compiled_fn=None,
+    check=None,
+    **meta,
+):
+    """Time triton_fn (or each (config, fn) of sweep, keeping the best), eager_fn, and eager_fn under
+    torch.compile (or `compiled_fn`, a callable that builds the compiled variant itself). `check`
+    maps a Triton output to an accuracy figure reported with each swept config."""
+    rec = {"kernel": name, **meta}
+    best = None
+    for cfg, fn in sweep or [(None, triton_fn)]:
+        try:
+            out = fn()
+            acc = {} if check is None else {"check": check(out)}
+            ms = _bench(fn)
+        except Exception as e:
+            _emit({"kernel": name, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        if sweep:
+            _emit({"kernel": name, "config": cfg, "sweep": True, **acc, **_rates(ms, nbytes, flops, copy_bw)})
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    if best is None:
+        return
+    rec["config"] = best[0]
+    rec["triton"] = _rates(best[1], nbytes, flops, copy_bw)
+    eager_ms = _bench(eager_fn)
+    rec["torch_eager"] = _rates(eager_ms, nbytes, flops, copy_bw)
+    rec["speedup_vs_eager"] = round(eager_ms / best[1], 2)
+    cfn = _try_compile(eager_fn) if compiled_fn is None else _try_compile(compiled_fn, wrap=False)
+    if cfn is not None:
+        comp_ms = _bench(cfn)
+        rec["torch_compile"] = _rates(comp_ms, nbytes, flops, copy_bw)
+        rec["speedup_vs_compile"] = round(comp_ms / best[1], 2)
+    _emit(rec)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x))
+    bw = 2 * x.numel() * 2 / (ms * 1e-3)
+    _emit({"kernel": "d2d_copy", "bytes": 2 * x.numel() * 2, **_rates(ms, 2 * x.numel() * 2)})
+    return bw
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _pack_ref(quantize, fmt):
+    """Torch reference for quantise+pack: the model/quant.py quantiser, nibble packing, scale bytes."""
+    from kernels import quant as kq
+
+    def fn(x):
+        codes, s = quantize(x)
+        if fmt == kq.FMT_FP8:
+            return codes.view(torch.uint8), (s.view(torch.int32) >> 23).to(torch.uint8)
+        if fmt == kq.FMT_FP4_E4M3:
+            return kq.pack_e2m1_ref(codes), s.to(torch.float8_e4m3fn).view(torch.uint8)
+        return kq.pack_e2m1_ref(codes), (s.view(torch.int32) >> 23).to(torch.uint8)
+
+    return fn
+
+
+def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
+    from kernels import quant as kq
+
+    n, shape = x.numel(), tuple(x.shape)
+    qdq_cfgs = [{"rows": 128, "num_warps": 4}, {"rows": 64, "num_warps": 4}, {"rows": 256, "num_warps": 8}]
+    pack_cfgs = [{"rows": 128, "num_warps": 4, "strided": st} for st in (False, True)] + [
+        {"rows": 64, "num_warps": 4, "strided": False}
+    ]
+    default = dict(kq.CONFIG)
+
+    def sweep_of(fn, cfgs):
+        def run(cfg):
+            kq.CONFIG.update(cfg)
+            return fn()
+
+        return [(cfg, lambda cfg=cfg: run(cfg)) for cfg in cfgs]
+
+    y_ref = ref(x)
+    qdq_sweep = sweep_of(lambda: tri(x), qdq_cfgs)
+    _compare(f"fake_quant_{name}", None, lambda: ref(x), 4 * n, None, copy_bw, qdq_sweep,
+             check=lambda y: torch.equal(y, y_ref), shape=shape)  # fmt: skip
+    kq.CONFIG.update(default)
+
+    q_tri = {kq.FMT_FP8: kq.quantize_fp8_packed, kq.FMT_FP4_E4M3: kq.quantize_fp4_e4m3_packed}.get(
+        fmt, kq.quantize_mxfp4_packed
+    )
+    q_ref = _pack_ref(
+        {kq.FMT_FP8: kq.quantize_fp8_ref, kq.FMT_FP4_E4M3: kq.quantize_fp4_e4m3_ref}.get(fmt, kq.quantize_mxfp4_ref),
+        fmt,
+    )
+    qr, sr = q_ref(x)
+    nbytes = 2 * n + (n if fmt == kq.FMT_FP8 else n // 2) + n // block
+    pack_sweep = sweep_of(lambda: q_tri(x), pack_cfgs)
+    _compare(f"quantize_pack_{name}", None, lambda: q_ref(x), nbytes, None, copy_bw, pack_sweep,
+             check=lambda o: torch.equal(o[0], qr) and torch.equal(o[1], sr), shape=shape)  # fmt: skip
+    kq.CONFIG.update(default)
+
+    qt, st = q_tri(x)
+    sf = kq.scale_bytes_to_float(sr, fmt)
+    if fmt == kq.FMT_FP8:
+        deq = lambda: kq.dequantize_fp8_packed(qt, st)
+        deq_ref = lambda: kq.dequantize_fp8_ref(qr.view(torch.float8_e4m3fn), sf, torch.bfloat16)
+    else:
+        sfmt = "e4m3" if fmt == kq.FMT_FP4_E4M3 else "ue8m0"
+        deq = lambda: kq.dequantize_fp4_packed(qt, st, sfmt)
+        deq_ref = lambda: kq.dequantize_fp4_ref(kq.unpack_e2m1_ref(qr), sf, torch.bfloat16)
+    deq_cfgs = [{"rows_dequant": 64}, {"rows_dequant": 128}]
+    _compare(f"dequantize_unpack_{name}", None, deq_ref, nbytes, None, copy_bw, sweep_of(deq, deq_cfgs),
+             check=lambda y: torch.equal(y, y_ref), shape=shape)  # fmt: skip
+    kq.CONFIG.update(default)
+
+
+def bench_quant(copy_bw: float, quick: bool) -> None:
+    from kernels import quant as kq
+
+    shapes = [(8192, 4096)] if quick else [(16384, 4096)]  # 64 / 128 MiB of bf16
+    for shape in shapes:
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        for name, tri, ref, fmt, block in [
+            ("fp8", kq.fp8_fake_quant, kq.fp8_fake_quant_ref, kq.FMT_FP8, 32),
+            ("fp4_e4m3", kq.fp4_e4m3_fake_quant, kq.fp4_e4m3_fake_quant_ref, kq.FMT_FP4_E4M3, 16),
+            ("mxfp4", kq.mxfp4_fake_quant, kq.mxfp4_fake_quant_ref, kq.FMT_MXFP4, 32),
+        ]:
+            _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw)
+        torch.cuda.empty_cache()
+
+
+def bench_mhc(copy_bw: float, quick: bool) -> None:
+    from kernels import mhc as km
+    from model.mhc import init_hc_params
+
+    T, D = (4096, 5120) if quick else (8192, 5120)
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    p = init_hc_params(D, 4, device="cuda")
+    f = torch.randn(T, D, device="cuda", dtype=dt)
+    res = torch.randn(T, 4, D, device="cuda", dtype=dt)
+    post = 2 * torch.rand(T, 4, device="cuda", generator=g)
+    comb = torch.rand(T, 4, 4, device="cuda", generator=g)
+    pc = torch.rand(T, 4, device="cuda", generator=g)
+    ins = [f, res, post, comb, pc, p["fn"], p["scale"], p["base"]]
+    kw = {"norm_eps": 1e-20, "hc_eps": 1e-6}
+    default = dict(km.CONFIG)
+    fwd = lambda: km.hc_post_mixes_pre(*ins, **kw)
+    fwd_ref = lambda: km.hc_post_mixes_pre_ref(*ins, **kw)
+    o, r = fwd(), fwd_ref()
+    err = {
+        "x_new_equal": torch.equal(o[0], r[0]),
+        "x_in_equal": torch.equal(o[1], r[1]),
+        "coef_max_err": max((a - b).abs().max().item() for a, b in zip(o[2:], r[2:])),
+    }
+    # bytes the fused boundary must move: f + 4 streams in, 4 streams + x_in out (10·D per token)
+    nbytes_fwd = T * 10 * D * 2
+    sweep = []
+    for bt, bd, nw, ns, npr in ((32, 64, 4, 1, 1024), (32, 64, 4, 2, 1024), (64, 64, 8, 1, 1024),
+                                (16, 64, 4, 1, 2048)):  # fmt: skip
+        cfg = {"BT": bt, "BD": bd, "num_warps": nw, "num_stages": ns, "programs": npr}
+
+        def run(cfg=cfg):
+            km.CONFIG.update(cfg)
+            return fwd()
+
+        sweep.append((cfg, run))
+    check = lambda o: [
+        torch.equal(o[0], r[0]),
+        torch.equal(o[1], r[1]),
+        max((a - b).abs().max().item() for a, b in zip(o[2:], r[2:])),
+    ]
+    _compare("mhc_fwd", None, fwd_ref, nbytes_fwd, None, copy_bw, sweep, check=check, T=T, D=D, **err)
+    km.CONFIG.update(default)
+
+    leaves = [t.clone().requires_grad_() for t in ins]
+    grads = [torch.randn_like(t) for t in r]
+
+    def fwd_bwd(impl):
+        outs = impl(*leaves, **kw)
+        return torch.autograd.grad(outs, leaves, grads)
+
+    # forward (10·D) + backward (reads f, 4 res, 4 stream grads, x_in grad; writes f and 4 res grads: 15·D)
+    nbytes_fb = T * 25 * D * 2
+    sweep = []
+    for bt, bd, nw, npr in ((32, 64, 4, 1024), (32, 64, 8, 1024), (16, 64, 4, 2048)):
+        cfg = {"BT": bt, "BD": bd, "num_warps": nw, "num_stages": 1, "programs": npr}
+
+        def run(cfg=cfg):
+            km.CONFIG.update(cfg)
+            return fwd_bwd(km.hc_post_mixes_pre)
+
+        sweep.append((cfg, run))
+    g_ref = fwd_bwd(km.hc_post_mixes_pre_ref)
+    rel_err = lambda gs: max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(gs, g_ref)
+    )
+    compiled_ref = torch.compile(km.hc_post_mixes_pre_ref)
+    _compare("mhc_fwd_bwd", None, lambda: fwd_bwd(km.hc_post_mixes_pre_ref), nbytes_fb, None, copy_bw, sweep,
+             compiled_fn=lambda: fwd_bwd(compiled_ref), check=rel_err, T=T, D=D)  # fmt: skip
+    km.CONFIG.update(default)
+
+
+def bench_attn(copy_bw: float, quick: bool) -> None:
+
+    configs = [
+        {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
+        {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
+        {"BH": 64, "BK": 32, "BDK": 64, "DV": 256, "num_warps": 4, "num_stages": 2},
+        {"BH": 64, "BK": 64, "BDK": 128, "DV": 256, "num_warps": 8, "num_stages": 1},
+        {"BH": 64, "BK": 32, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1},
+        {"BH": 64, "BK": 32, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2},
+        {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1},
+        {"BH": 32, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 4, "num_stages": 1},
+    ]
+    cases = [("decode", 64, 1, 2048)] + ([] if quick else [("train_fwd", 1, 2048, 4096)])
+    for name, B, M, N in cases:
+        _bench_attn_case(name, B, M, N, configs, copy_bw)
+        torch.cuda.empty_cache()
+    _bench_attn_bwd(1024 if quick else 2048, copy_bw)
+    torch.cuda.empty_cache()
+
+
+def _bench_attn_bwd(M, copy_bw):
+    """Training step shape: forward + backward (Triton kernels vs autograd through the reference)."""
+    from kernels import sparse_attn as ks
+
+    B, H, Dh, K, N = 1, 64, 512, 512 + 128, 4096
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, M, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(B, N, Dh, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    sink = torch.randn(H, device="cuda", generator=g).requires_grad_()
+    idxs = torch.argsort(torch.rand(B, M, N, device="cuda", generator=g), dim=-1)[..., :K].to(torch.int32)
+    do = torch.randn(B, M, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = Dh**-0.5
+
+    def step(fn):
+        return torch.autograd.grad(fn(q, kv, sink, idxs, scale), (q, kv, sink), do)
+
+    g_ref = step(ks.sparse_attn_ref)
+    rel = lambda gs: max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(gs, g_ref)
+    )
+    sweep = []
+    for bh, bk, nw in ((16, 32, 8), (32, 32, 8), (16, 16, 4)):
+        cfg = {"BH": bh, "BK": bk, "num_warps": nw, "num_stages": 1}
+
+        def run(cfg=cfg):
+            ks.BWD_CONFIG.update(cfg)
+            return step(ks.sparse_attn)
+
+        sweep.append((cfg, run))
+    flops = 4 * B * M * H * K * Dh * 3.5  # fwd 2 GEMMs; bwd recomputes S and does 4 more (dq, dp, dk, dv)
+    compiled_ref = torch.compile(ks.sparse_attn_ref)
+    _compare("sparse_attn_train_fwd_bwd", None, lambda: step(ks.sparse_attn_ref), None, flops, copy_bw, sweep,
+             compiled_fn=lambda: step(compiled_ref), check=rel, B=B, M=M, H=H, Dh=Dh, K=K, N=N)  # fmt: skip
+
+
+def _bench_attn_case(name, B, M, N, configs, copy_bw):
+    from kernels import sparse_attn as ks
+
+    H, Dh, K = 64, 512, 512 + 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, M, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(B, N, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g)
+    # distinct rows per query (as top-k + window give), a few -1 slots
+    idxs = torch.argsort(torch.rand(B, M, N, device="cuda", generator=g), dim=-1)[..., :K].to(torch.int32)
+    idxs[..., -7:] = -1
+    scale = Dh**-0.5
+    ref = lambda: ks.sparse_attn_ref(q, kv, sink, idxs, scale)
+    o_ref = ref().float()
+    err = (ks.sparse_attn_fwd(q, kv, sink, idxs, scale).float() - o_ref).abs().max().item()
+    rows_read = min(B * M * K, B * N) if M > 1 else B * M * K  # decode: every gathered row once
+    nbytes = rows_read * Dh * 2 + 2 * q.numel() * 2 + idxs.numel() * 4
+    flops = 4 * B * M * H * K * Dh
+    sweep = [(cfg, lambda cfg=cfg: ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg)) for cfg in configs]
+    check = lambda o: round((o.float() - o_ref).abs().max().item(), 5)
+    meta = {"B": B, "M": M, "H": H, "Dh": Dh, "K": K, "N": N, "max_abs_err_default_cfg": err}
+    _compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, **meta)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer cases")
+    ap.add_argument("--only", default="quant,mhc,attn")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "bench/kernels.py needs a CUDA GPU"}))
+        return
+    import triton
+
+    _emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__})
+    copy_bw = copy_bandwidth()
+    only = set(args.only.split(","))
+    for name, fn in (("quant", bench_quant), ("attn", bench_attn), ("mhc", bench_mhc)):
+        if name in only:
+            try:
+                fn(copy_bw, args.quick)
+            except Exception as e:
+                _emit({"kernel": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""Resident grading runner: the main process of every grader container (stdlib + pytest only).
+
+Started as `python3 -I -c <this file>` by envs/pool.py; runs as root holding only
+CAP_SETUID/SETGID/KILL, imports pytest once, then serves JSON-line commands on stdin (the host's
+attach socket) and answers one JSON line each on stdout, which no other process can write:
+  init  -> record the pristine state: content digests of every writable place + a workspace tar
+  grade -> fork a child that drops to the `agent` uid (nice 19), applies the filtered patch,
+           restores test files, applies the hidden test patch and runs pytest in-process with a
+           trusted reporter streaming per-test records over an inherited pipe; this root parent
+           builds the JUnit XML from them and returns it with the console output and exit code
+  reset -> kill every agent process, wipe the writable places, re-extract the pristine
+           workspace, and answer whether the digests equal the pristine ones
+Not here: deciding the reward (envs/grading.py cross-checks the three sources).
+"""
+
+import hashlib
+import io
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+
+import _pytest.config
+import _pytest.main
+import _pytest.python
+import _pytest.reports
+import _pytest.runner
+import _pytest.terminal
+import pytest
+
+WORKSPACE, AGENT = "/workspace", 1000
+WATCHED = ("/workspace", "/tmp", "/home/agent", "/dev/shm")
+AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent", "LANG": "C.UTF-8",
+             "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+MAX_CONSOLE = 512_000
+# Functions that decide or carry a test's outcome; replaced ones (or plugins registered from
+# outside conftest.py files) after collection starts are reported as tampering.
+_OUTCOME_PATH = [(_pytest.runner, "call_and_report"), (_pytest.runner, "runtestprotocol"),
+                 (_pytest.runner, "pytest_runtest_makereport"), (_pytest.runner.CallInfo, "from_call"),
+                 (_pytest.reports.TestReport, "from_item_and_call"), (_pytest.reports.TestReport, "__init__"),
+                 (_pytest.python, "pytest_pyfunc_call"), (_pytest.python.Function, "runtest"),
+                 (_pytest.main, "pytest_runtestloop"), (_pytest.terminal.TerminalReporter, "summary_stats"),
+                 (_pytest.terminal.TerminalReporter, "pytest_runtest_logreport"), (os, "write"),
+                 (json, "dumps")]
+# Import every builtin plugin now, once: each forked test run then starts with them loaded.
+for _name in _pytest.config.default_plugins:
+    __import__(f"_pytest.{_name}")
+_ORIGINAL = [(owner, name, owner.__dict__.get(name)) for owner, name in _OUTCOME_PATH]
+_write, _dumps = os.write, json.dumps
+
+
+class FlashpostReporter:
+    """pytest plugin object (never a file the code under test could shadow)."""
+
+    def __init__(self, fd):
+        self.fd, self.plugins_at_start = fd, None
+
+    def _emit(self, rec):
+        _write(self.fd, (_dumps(rec) + "\n").encode())
+
+    def _check(self, where):
+        changed = [f"{getattr(o, '__name__', o)}.{n}" for o, n, f in _ORIGINAL if o.__dict__.get(n) is not f]
+        if changed:
+            self._emit({"tamper": f"{where}: replaced {changed}"})
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session):
+        self.plugins_at_start = {id(p) for p in session.config.pluginmanager.get_plugins()}
+
+    def pytest_runtest_logreport(self, report):
+        self._check(report.nodeid)
+        self._emit({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                    "xfail": hasattr(report, "wasxfail"), "duration": report.duration,
+                    "message": str(report.longrepr)[-1500:] if report.failed else ""})
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self._emit({"collect_error": report.nodeid, "message": str(report.longrepr)[-1500:]})
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self._check("sessionfinish")
+        for p in session.config.pluginmanager.get_plugins():
+            if id(p) not in (self.plugins_at_start or ()) and \
+                    os.path.basename(getattr(p, "__file__", "") or "") != "conftest.py":
+                self._emit({"tamper": f"plugin registered during the run: {p!r}"[:300]})
+        self._emit({"finish": int(exitstatus), "collected": session.testscollected})
+
+
+# ------------------------------------------------------------------ processes as `agent`
+
+
+def drop_to_agent():
+    os.setgroups([])
+    os.setgid(AGENT)
+    os.setuid(AGENT)
+    os.nice(19)  # a runaway test cannot starve this runner's timeout path
+    os.environ.clear()
+    os.environ.update(AGENT_ENV)
+
+
+def in_agent_child(fn, *, out_fd=None, sinks=(), parent_close=(), timeout=None):
+    """Run fn() in a forked child as agent; returns (exit code or None on timeout, fn's bytes).
+
+    `sinks` are (read_fd, list) pairs drained while the child runs; the child closes those read
+    ends (it must not steal its own report records) and gets /dev/null as stdin; the parent
+    closes `parent_close` (the write ends it handed over) right after the fork.
+    """
+    r, w = os.pipe()
+    for attempt in range(50):  # the pids cap may still be full of dying processes
+        try:
+            pid = os.fork()
+            break
+        except BlockingIOError:
+            if attempt == 49:
+                raise
+            time.sleep(0.1)
+    if pid == 0:
+        code = 70
+        try:
+            os.close(r)
+            for fd, _ in sinks:
+                os.close(fd)
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, 0)
+            # Never the runner's own stdout: that is the host's answer channel.
+            os.dup2(null if out_fd is None else out_fd, 1)
+            os.dup2(null if out_fd is None else out_fd, 2)
+            drop_to_agent()
+            data = fn()
+            with os.fdopen(w, "wb") as f:
+                f.write(data or b"")
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - report anything to the parent, never return
+            try:
+                os.write(w, f"child failed: {e!r}".encode())
+            except OSError:
+                pass
+        finally:
+            os._exit(code)
+    os.close(w)
+    for fd in parent_close:
+        os.close(fd)
+    chunks = []
+    readers = [threading.Thread(target=drain, args=(fd, sink)) for fd, sink in [(r, chunks), *sinks]]
+    for t in readers:
+        t.start()
+    rc = wait_child(pid, timeout)
+    kill_agent_processes()  # leftovers would hold the pipes open
+    for t in readers:
+        t.join(5)
+    for fd, _ in [(r, chunks), *sinks]:
+        os.close(fd)
+    return rc, b"".join(chunks)
+
+
+def drain(fd, sink):
+    while chunk := os.read(fd, 1 << 16):
+        sink.append(chunk)
+
+
+def wait_child(pid, timeout):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
+def agent_pids():
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == AGENT:
+                    pids.append(int(name))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_agent_processes():
+    """SIGSTOP agent processes in rounds (a stopped process cannot fork), then SIGKILL them all."""
+    stopped = set()
+    for _ in range(500):
+        fresh = [p for p in agent_pids() if p not in stopped]
+        if not fresh:
+            break
+        for p in fresh:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        stopped.update(fresh)
+    for p in stopped:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # Dying processes still hold pid slots: wait (bounded) until they are gone or zombies, and
+    # reap our own children among them, so the next fork does not fail on the pids cap.
+    deadline = time.monotonic() + 5
+    while stopped and time.monotonic() < deadline:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        alive = [p for p in stopped if _alive(p)]
+        if not alive:
+            break
+        time.sleep(0.01)
+    return len(stopped)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- state/reset
+
+
+def digest_tree(root):
+    """Names, types, modes, owners, link targets and bytes (not mtimes) of everything under root."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in [""] + sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name) if name else dirpath
+            st = os.lstat(path)
+            link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+            size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # tmpfs dir sizes vary
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0{link}\0"
+                     f"{size}\0".encode())
+            if stat.S_ISREG(st.st_mode) and name:
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def state():
+    return json.dumps({p: digest_tree(p) for p in WATCHED}).encode()
+
+
+def snapshot_workspace():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name in sorted(os.listdir(WORKSPACE)):
+            tf.add(os.path.join(WORKSPACE, name), arcname=name)
+    return buf.getvalue()
+
+
+def wipe_and_restore(pristine):
+    def fn():
+        for top in WATCHED:
+            for dirpath, dirnames, _ in os.walk(top):  # make every directory listable first
+                for name in dirnames:
+                    try:
+                        os.chmod(os.path.join(dirpath, name), 0o700)
+                    except OSError:
+                        pass
+            for dirpath, dirnames, filenames in os.walk(top, topdown=False):
+                for name in filenames + dirnames:
+                    path = os.path.join(dirpath, name)
+                    try:
+                        if os.path.isdir(path) and not os.path.islink(path):
+                            os.chmod(path, 0o700)
+                            os.rmdir(path)
+                        else:
+                            os.unlink(path)
+                    except OSError:
+                        pass  # not ours to remove (e.g. root-owned in sticky /tmp): state differs
+            if top != WORKSPACE:
+                continue
+            with tarfile.open(fileobj=io.BytesIO(pristine)) as tf:
+                tf.extractall(WORKSPACE, numeric_owner=True)
+        return state()
+    return fn
+
+
+# --------------------------------------------------------------------------------- grading
+
+
+def prepare(job):
+    """Apply the agent patch, restore test files, apply the test patch (as agent, in cwd)."""
+    def git(*args, stdin=b""):
+        p = subprocess.run(["git", *args], input=stdin, capture_output=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"git {args[0]}: {p.stderr.decode(errors='replace')[-1500:]}")
+        return p.stdout.decode()
+
+    if job["patch"].strip():
+        git("apply", "--whitespace=nowarn", "-", stdin=job["patch"].encode())
+    if job["test_files"]:
+        listed = git("ls-tree", "-r", "--name-only", job["base_revision"], "--", *job["test_files"])
+        in_base = set(listed.splitlines())
+        if in_base:
+            git("checkout", job["base_revision"], "--", *sorted(in_base))
+        for path in set(job["test_files"]) - in_base:
+            subprocess.run(["rm", "-rf", "--", path])
+    if job["test_patch"].strip():
+        git("apply", "--whitespace=nowarn", "-", stdin=job["test_patch"].encode())
+
+
+def run_tests(job, rec_fd):
+    def fn():
+        os.chdir(WORKSPACE)
+        try:
+            prepare(job)
+        except RuntimeError as e:
+            os.write(rec_fd, (json.dumps({"prepare_failed": str(e)}) + "\n").encode())
+            os._exit(97)
+        sys.path.insert(0, WORKSPACE)
+        sys.dont_write_bytecode = True
+        args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, "-o", "addopts=",
+                "-q", "--tb=short", *job["test_paths"]]
+        rc = pytest.main(args, plugins=[FlashpostReporter(rec_fd)])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(rc))
+    return fn
+
+
+def grade(job):
+    rec_r, rec_w = os.pipe()
+    out_r, out_w = os.pipe()
+    recs, console = [], []
+    rc, _ = in_agent_child(run_tests(job, rec_w), out_fd=out_w, sinks=[(rec_r, recs), (out_r, console)],
+                           parent_close=(rec_w, out_w), timeout=job["timeout_s"])
+    result = {"prepared": True, "exit_code": rc, "records": [], "conflicts": [], "log": []}
+    if rc is None:
+        result["log"].append(f"pytest timed out after {job['timeout_s']}s")
+    for line in b"".join(recs).decode(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            result["conflicts"].append(f"unparseable report record: {line[:200]!r}")
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("prepare_failed"), str) and rc == 97:
+            result["prepared"] = False
+            result["log"].append(rec["prepare_failed"])
+        elif isinstance(rec, dict) and isinstance(rec.get("tamper"), str):
+            result["conflicts"].append("tampering: " + rec["tamper"])
+        elif well_formed(rec):
+            result["records"].append(rec)
+        else:
+            result["conflicts"].append(f"malformed report record: {line[:200]!r}")
+    status, conflicts = statuses(result["records"])
+    result["conflicts"] += conflicts
+    text = b"".join(console)
+    return {"result": result, "junit": junit_xml(status, result["records"]),
+            "console": text[-MAX_CONSOLE:].decode(errors="replace")}
+
+
+def well_formed(rec):
+    if not isinstance(rec, dict):
+        return False
+    if "nodeid" in rec:
+        return (isinstance(rec["nodeid"], str) and rec.get("when") in ("setup", "call", "teardown")
+                and rec.get("outcome") in ("passed", "failed", "skipped")
+                and isinstance(rec.get("xfail"), bool)
+                and isinstance(rec.get("duration"), (int, float)) and isinstance(rec.get("message"), str))
+    if "collect_error" in rec:
+        return isinstance(rec["collect_error"], str) and isinstance(rec.get("message"), str)
+    return set(rec) == {"finish", "collected"} and all(type(v) is int for v in rec.values())
+
+
+def statuses(records):
+    """Per-test status from phase records; a (nodeid, phase) seen twice is a conflict."""
+    status, seen, conflicts = {}, set(), []
+    for r in records:
+        if "nodeid" not in r:
+            continue
+        key = (r["nodeid"], r["when"])
+        if key in seen:
+            conflicts.append(f"{r['nodeid']} ({r['when']}) reported twice")
+        seen.add(key)
+        nid, outcome, xfail = r["nodeid"], r["outcome"], r["xfail"]
+        if r["when"] == "setup" and outcome != "passed":
+            status[nid] = "error" if outcome == "failed" else ("xfailed" if xfail else "skipped")
+        elif r["when"] == "call":
+            status[nid] = {"passed": "xpassed" if xfail else "passed", "failed": "failed",
+                           "skipped": "xfailed" if xfail else "skipped"}[outcome]
+        elif r["when"] == "teardown" and outcome == "failed":
+            status[nid] = "error"
+    return status, conflicts
+
+
+def junit_xml(status, records):
+    """pytest-style JUnit (xunit2 naming, plus a file attribute) built outside the test process."""
+    messages = {r["nodeid"]: r["message"] for r in records if r.get("message") and "nodeid" in r}
+    count = lambda *s: str(sum(v in s for v in status.values()))
+    suite = ET.Element("testsuite", name="pytest", tests=str(len(status)), failures=count("failed"),
+                       errors=count("error"), skipped=count("skipped", "xfailed"))
+    for nid, st in status.items():
+        parts = nid.split("::")
+        module = parts[0][:-3] if parts[0].endswith(".py") else parts[0]
+        case = ET.SubElement(suite, "testcase", classname=".".join([module.replace("/", "."), *parts[1:-1]]),
+                             name=parts[-1], file=parts[0])
+        if st in ("failed", "error"):
+            tag = "failure" if st == "failed" else "error"
+            ET.SubElement(case, tag, message=st).text = messages.get(nid, "")
+        elif st in ("skipped", "xfailed"):
+            ET.SubElement(case, "skipped", message=st)
+    root = ET.Element("testsuites")
+    root.append(suite)
+    return ET.tostring(root, encoding="unicode")
+
+
+# ----------------------------------------------------------------------------------- serve
+
+
+def main():
+    pristine = pristine_ws = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        t0 = time.monotonic()
+        try:
+            reply = serve_one(cmd, pristine, pristine_ws)
+        except Exception as e:  # noqa: BLE001 - keep serving; the host fails this request
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        snapshot = reply.pop("workspace", None)
+        if cmd["cmd"] == "init" and reply.get("ready"):
+            pristine, pristine_ws = reply["state"], snapshot
+        reply["runner_s"] = time.monotonic() - t0
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def serve_one(cmd, pristine, pristine_ws):
+    if cmd["cmd"] == "init":  # the host has extracted the image's workspace: record it
+        rc, data = in_agent_child(state, timeout=60)
+        rc2, snapshot = in_agent_child(snapshot_workspace, timeout=60)
+        ok = rc == 0 and rc2 == 0
+        return {"ready": ok, "state": json.loads(data) if ok else None, "workspace": snapshot}
+    if pristine is None:
+        return {"error": "not initialised"}
+    if cmd["cmd"] == "grade":
+        return grade(cmd["job"])
+    if cmd["cmd"] == "reset":
+        killed = kill_agent_processes()
+        rc, now = in_agent_child(wipe_and_restore(pristine_ws), timeout=60)
+        now_state = json.loads(now) if rc == 0 else None
+        return {"ok": now_state == pristine, "killed": killed, "state": now_state}
+    return {"error": f"unknown command {cmd['cmd']!r}"}
+
+
+if __name__ == "__main__":
+    main()

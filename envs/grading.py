@@ -1,0 +1,222 @@
+"""Grading: take the agent's non-test diff, run the task's tests in a pristine grader container,
+and reward 1 only if every F2P test explicitly passes, every P2P test still passes, and the exit
+code, the JUnit report and the console output agree.
+
+Never grades in the agent's container. The patch is filtered on the host (test files, pytest
+config, conftest.py, site/usercustomize, *.pth, bytecode and packaging metadata are dropped),
+then the resident runner (envs/grade_runner.py, root) of a grader container (fresh, or warm
+from `GraderPool`) runs the tests as the `agent` uid and builds the per-test JUnit report in
+its own process from records sent over an inherited pipe: the report never exists at a path
+the code under test could write, and it comes back over the runner's own stdout.
+Not here: the agent loop or the canned hacks (envs/hacks.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from envs import engine
+from envs.pool import GraderLost, GraderPool, GraderSandbox
+from envs.sandbox import AGENT_USER, Sandbox
+from envs.task import Task
+
+DEFAULT_TEST_TIMEOUT_S = 120.0
+
+# Paths the agent may not change: what pytest loads on its own, or what Python runs at startup.
+_PROTECTED_NAMES = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+                    "sitecustomize.py", "usercustomize.py", ".pytest_cache", "__pycache__"}
+_PROTECTED_GLOBS = ["test_*.py", "*_test.py", "*.pth", "*.pyc", "*.pyo", "*.dist-info", "*.egg-info",
+                    "*.egg-link", "pytest_*.py"]
+_TEST_DIRS = {"tests", "test", "testing"}
+# Top-level modules that would shadow the standard library or the test runner's own packages.
+_SHADOWED = set(sys.stdlib_module_names) | {"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging"}
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    reward: float  # 1.0 or 0.0
+    tests: dict[str, str]  # node id -> passed|failed|error|skipped|xfailed|missing
+    agreement: bool  # exit code, JUnit report and console summary tell the same story
+    reason: str
+    duration_s: float
+    dropped_paths: list[str] = field(default_factory=list)  # agent changes not applied
+
+
+def is_protected(path: str, test_files: list[str]) -> bool:
+    p = PurePosixPath(path)
+    if path in test_files or p.parts[:1] == (".git",):
+        return True
+    top = p.parts[0].removesuffix(".py") if len(p.parts) > 1 or p.suffix == ".py" else ""
+    if top in _SHADOWED:
+        return True
+    for part in p.parts:
+        if part in _PROTECTED_NAMES or part in _TEST_DIRS:
+            return True
+        if any(fnmatch.fnmatch(part, g) for g in _PROTECTED_GLOBS):
+            return True
+    return False
+
+
+def filter_patch(patch: str, test_files: list[str]) -> tuple[str, list[str]]:
+    """Split a `git diff --no-renames` into the part we apply and the paths we drop.
+
+    Blocks whose header cannot be parsed unambiguously (quoted or odd paths) are dropped too.
+    """
+    kept, dropped = [], []
+    blocks = re.split(r"(?m)^(?=diff --git )", patch)
+    for block in blocks:
+        if not block.startswith("diff --git "):
+            continue  # preamble text: ignore
+        header = block.split("\n", 1)[0]
+        rest = header[len("diff --git a/"):]
+        path = rest[: (len(rest) - 3) // 2]
+        if not header.startswith("diff --git a/") or rest != f"{path} b/{path}" or not path:
+            dropped.append(header[len("diff --git "):])
+        elif is_protected(path, test_files):
+            dropped.append(path)
+        else:
+            kept.append(block if block.endswith("\n") else block + "\n")
+    return "".join(kept), dropped
+
+
+def extract_patch(sb: Sandbox, task: Task, timeout: float = 60.0) -> str:
+    """The agent's changes against base_revision, new files included, as a binary git diff.
+
+    Uses a scratch index so the agent's own index is untouched; fails if the repo is gone.
+    """
+    script = (
+        "set -e; export GIT_INDEX_FILE=/tmp/.flashpost-index; cp .git/index $GIT_INDEX_FILE; "
+        "git -c core.fsmonitor=false -c core.hooksPath=/dev/null add -A .; "
+        "git -c core.fsmonitor=false diff --cached --binary --no-color --no-ext-diff --no-textconv "
+        f"--no-renames {task.base_revision} > /tmp/.flashpost.diff; rm -f $GIT_INDEX_FILE"
+    )
+    r = sb.exec(script, timeout=timeout, user=AGENT_USER)
+    if r.exit_code != 0:
+        raise RuntimeError(f"could not diff the agent's workspace: {r.output[-1000:]}")
+    return sb.read_file("/tmp/.flashpost.diff").decode("utf-8", "surrogateescape")
+
+
+def test_paths(task: Task) -> list[str]:
+    return sorted({tid.split("::")[0] for tid in task.test_ids})
+
+
+def run_job(grader: GraderSandbox, task: Task, patch: str, timeout_s: float) -> dict:
+    """One grading by the grader's resident runner: {"result", "junit", "console"}."""
+    job = {"patch": patch, "test_patch": task.test_patch, "test_files": task.test_files,
+           "base_revision": task.base_revision, "test_paths": test_paths(task), "timeout_s": timeout_s}
+    return grader.request({"cmd": "grade", "job": job}, timeout=timeout_s + 30)
+
+
+def parse_junit(xml: bytes) -> dict[str, str]:
+    """node id -> status from a pytest-style JUnit XML (classname + name + file attributes)."""
+    tests = {}
+    for case in ET.fromstring(xml).iter("testcase"):
+        file, classname, name = case.get("file", ""), case.get("classname", ""), case.get("name", "")
+        module = file[:-3].replace("/", ".") if file.endswith(".py") else file
+        classes = classname[len(module) + 1:].split(".") if classname.startswith(module + ".") else []
+        nodeid = "::".join([file, *classes, name])
+        if case.find("failure") is not None:
+            tests[nodeid] = "failed"
+        elif case.find("error") is not None:
+            tests[nodeid] = "error"
+        elif (skip := case.find("skipped")) is not None:
+            tests[nodeid] = "xfailed" if skip.get("message") == "xfailed" else "skipped"
+        else:
+            tests[nodeid] = "passed"
+    return tests
+
+
+_SUMMARY = re.compile(r"^=*\s*((?:\d+ [a-z]+(?:, )?)+|no tests ran)(?: in [\d.]+s.*)?\s*=*$")
+
+
+def parse_console(console: str) -> dict[str, int] | None:
+    """Counts from pytest's final summary line ("1 failed, 20 passed in 0.1s"); None if absent."""
+    for line in reversed(console.strip().splitlines()):
+        m = _SUMMARY.match(line.strip())
+        if m and " in " in line:
+            counts: dict[str, int] = {}
+            for n, word in re.findall(r"(\d+) ([a-z]+)", m.group(1)):
+                word = {"errors": "error", "warnings": "warning"}.get(word, word)
+                counts[word] = counts.get(word, 0) + int(n)
+            return counts
+    return None
+
+
+def decide(task: Task, out: dict, dropped: list[str], t0: float) -> GradeResult:
+    def result(reason: str, tests: dict | None = None, agreement: bool = False, reward: float = 0.0):
+        return GradeResult(reward, tests or {}, agreement, reason, time.monotonic() - t0, dropped)
+
+    res = out.get("result")
+    if res is None:
+        return result(f"runner produced no result: {out}"[:1000])
+    if not res["prepared"]:
+        return result("patch or test restore failed: " + " | ".join(res["log"])[-1000:])
+    if out["junit"] is None:
+        return result("no JUnit report")
+    junit = parse_junit(out["junit"].encode())
+    tests = {tid: junit.get(tid, "missing") for tid in task.test_ids}
+    tests.update({k: v for k, v in junit.items() if k not in tests})
+    finish = [r["finish"] for r in res["records"] if "finish" in r]
+    collect_errors = [r for r in res["records"] if "collect_error" in r]
+    console = parse_console(out["console"])
+    problems = list(res["conflicts"])
+    code = res["exit_code"]
+    if code is None:
+        problems.append("pytest timed out")
+    if finish != [code]:
+        problems.append(f"session finish records {finish} != exit code {code}")
+    n = {s: sum(v == s for v in junit.values()) for s in ("passed", "failed", "error", "skipped", "xfailed")}
+    if console is None:
+        problems.append("no summary line in the console output")
+    else:
+        want = {"passed": console.get("passed", 0) + console.get("xpassed", 0),
+                "failed": console.get("failed", 0), "skipped": console.get("skipped", 0),
+                "xfailed": console.get("xfailed", 0), "error": console.get("error", 0) - len(collect_errors)}
+        if want != n:
+            problems.append(f"console summary {console} disagrees with JUnit counts {n}")
+    bad = n["failed"] + n["error"] + len(collect_errors)
+    if (code == 0) != (bad == 0 and len(junit) > 0):
+        problems.append(f"exit code {code} disagrees with {bad} failing/erroring tests of {len(junit)}")
+    if problems:
+        return result("report disagreement: " + "; ".join(problems)[:1500], tests)
+    not_passed = [t for t in task.f2p if tests[t] != "passed"]
+    broken = [t for t in task.p2p if tests[t] != "passed"]
+    if not_passed or broken:
+        reasons = [f"F2P not passed: {not_passed}"] * bool(not_passed)
+        reasons += [f"P2P broken: {broken}"] * bool(broken)
+        return result("; ".join(reasons), tests, agreement=True)
+    return result("all F2P pass and all P2P still pass", tests, agreement=True, reward=1.0)
+
+
+def grade_patch(task: Task, patch: str, *, pool: GraderPool | None = None,
+                timeout_s: float = DEFAULT_TEST_TIMEOUT_S) -> GradeResult:
+    """Grade a git diff (against task.base_revision) in a fresh grader, or a warm one from pool."""
+    t0 = time.monotonic()
+    kept, dropped = filter_patch(patch, task.test_files)
+    try:
+        if pool is not None:
+            with pool.grader(task.image) as grader:
+                out = run_job(grader, task, kept, timeout_s)
+        else:
+            with GraderSandbox(task.image) as grader:
+                out = run_job(grader, task, kept, timeout_s)
+    except GraderLost as e:  # the runner hung or died: the grader is discarded, reward 0
+        return GradeResult(0.0, {}, False, f"grading failed: {e}", time.monotonic() - t0, dropped)
+    return decide(task, out, dropped, t0)
+
+
+def grade_sandbox(sb: Sandbox, task: Task, *, pool: GraderPool | None = None,
+                  timeout_s: float = DEFAULT_TEST_TIMEOUT_S) -> GradeResult:
+    """Grade the agent's final workspace: diff it there, test it elsewhere."""
+    t0 = time.monotonic()
+    try:
+        patch = extract_patch(sb, task)
+    except (RuntimeError, engine.PathNotFound) as e:
+        return GradeResult(0.0, {}, False, f"no patch: {e}", time.monotonic() - t0)
+    return grade_patch(task, patch, pool=pool, timeout_s=timeout_s)

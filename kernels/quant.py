@@ -1,0 +1,495 @@
+"""Triton block quantisers for V4.1's FP8 / FP4 activations and caches (spec §3.10), bit-exact.
+
+Three formats, each a fake-quant (QDQ, straight-through gradient, for QAT) and a quantise+pack
+kernel producing the packed cache layout, plus the matching unpack/dequantise kernels:
+  * FP8:       e4m3 codes, UE8M0 (power-of-two) scale per 32    -> codes uint8 [.., N], scale u8 [.., N/32]
+  * FP4-E4M3:  E2M1 codes, E4M3 scale per 16                    -> packed u8 [.., N/2], scale u8 [.., N/16]
+  * MXFP4:     E2M1 codes, UE8M0 scale per 32                   -> packed u8 [.., N/2], scale u8 [.., N/32]
+Packing: two E2M1 nibbles per byte, the low nibble holds the even element; E4M3 scales are stored as
+their e4m3fn bit pattern and UE8M0 scales as the biased exponent byte (2^(b-127)), so
+`scale.view(torch.float8_e4m3fn)` / `scale.view(torch.float8_e8m0fnu)` read them back.
+The torch references live in `model/quant.py` and are re-exported here with an `_ref` suffix.
+Scales are computed on the fp32 bits, x/s is an exact reciprocal multiply (power-of-two scales) or an
+IEEE `div_rn`, there is no FMA contraction, and the fp8/bf16 casts are the hardware RNE ones on the GPU
+(emulated on the bits under the interpreter), so both give the references' bits.
+Block-scaled GEMMs are not here.
+
+Shape legend: G = number of quantisation groups (numel / block), B = block, R = groups per program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from model.quant import (
+    dequantize_fp4 as dequantize_fp4_ref,
+)
+from model.quant import (
+    dequantize_fp8 as dequantize_fp8_ref,
+)
+from model.quant import (
+    fp4_e4m3_fake_quant as fp4_e4m3_fake_quant_ref,
+)
+from model.quant import (
+    fp8_fake_quant as fp8_fake_quant_ref,
+)
+from model.quant import (
+    mxfp4_fake_quant as mxfp4_fake_quant_ref,
+)
+from model.quant import (
+    pack_e2m1 as pack_e2m1_ref,
+)
+from model.quant import (
+    quantize_fp4_e4m3 as quantize_fp4_e4m3_ref,
+)
+from model.quant import (
+    quantize_fp8 as quantize_fp8_ref,
+)
+from model.quant import (
+    quantize_mxfp4 as quantize_mxfp4_ref,
+)
+from model.quant import (
+    unpack_e2m1 as unpack_e2m1_ref,
+)
+
+__all__ = [
+    "FMT_FP8",
+    "FMT_FP4_E4M3",
+    "FMT_MXFP4",
+    "fp8_fake_quant",
+    "fp4_e4m3_fake_quant",
+    "mxfp4_fake_quant",
+    "quantize_fp8_packed",
+    "quantize_fp4_e4m3_packed",
+    "quantize_mxfp4_packed",
+    "dequantize_fp8_packed",
+    "dequantize_fp4_packed",
+    "scale_bytes_to_float",
+    "cast_rne",
+    # references (model/quant.py)
+    "fp8_fake_quant_ref",
+    "fp4_e4m3_fake_quant_ref",
+    "mxfp4_fake_quant_ref",
+    "quantize_fp8_ref",
+    "quantize_fp4_e4m3_ref",
+    "quantize_mxfp4_ref",
+    "dequantize_fp8_ref",
+    "dequantize_fp4_ref",
+    "pack_e2m1_ref",
+    "unpack_e2m1_ref",
+]
+
+FMT_FP8, FMT_FP4_E4M3, FMT_MXFP4 = 0, 1, 2
+_DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
+# Launch tiles, the best of bench/kernels.py's sweep on one H200 (16384x4096 bf16): "rows"
+# quantisation groups per program (128 groups of 32 = 4096 elements, 8 KiB of bf16 in flight) for
+# the quantisers, "rows_dequant" for the unpack kernel, warps per program, and "strided": how the
+# FP4 pack kernel splits even / odd elements (None = per format: stride-2 loads for E4M3/16, which
+# measured 13% faster there, one load + tl.split for MXFP4, where stride-2 measured 1.7x slower).
+CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None}
+# Under TRITON_INTERPRET=1 the fp8 / bf16 casts are emulated on the bits (the interpreter's own casts
+# truncate); compiled for the GPU the hardware RNE-satfinite conversions are used. Both round to
+# nearest-even, which the parity tests check with torch.equal on each side.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+# ------------------------------------------------------------------------------------------------
+# element-format helpers (fp32 in, fp32 or int32 out), all on the IEEE-754 bits
+
+
+@triton.jit
+def cast_rne(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE with round-to-nearest-even. For bf16 the rounding is done on the bits first,
+    because the Triton interpreter's own fp32->bf16 cast truncates (the GPU cast is already RNE,
+    so it is used as is there). NaN payloads are not preserved by the emulation."""
+    if INTERPRET and DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == ~0xFFFF
+        y = bits.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        y = x.to(DTYPE)
+    return y
+
+
+@triton.jit
+def _round_e4m3_mag(a):
+    """Magnitude a >= 0 (<= 448, fp32) -> nearest e4m3fn magnitude, round-to-nearest-even."""
+    bits = a.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    # normal e4m3 (a >= 2^-6, fp32 biased exponent >= 121): keep 3 mantissa bits, RNE on the bits
+    rn = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
+    normal = rn.to(tl.float32, bitcast=True)
+    # subnormal e4m3: integer multiples of 2^-9; RNE shift of the 24-bit significand
+    m = (bits & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(141 - e, 31)
+    sh = tl.maximum(sh, 1)
+    q = (m + ((1 << (sh - 1)) - 1) + ((m >> sh) & 1)) >> sh
+    sub = q.to(tl.float32) * 0.001953125  # 2^-9, exact
+    return tl.where(e >= 121, normal, sub)
+
+
+@triton.jit
+def _e4m3_code_of_mag(r):
+    """Exact e4m3 magnitude r (fp32) -> 7-bit e4m3fn code (exponent field << 3 | mantissa)."""
+    bits = r.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    normal = ((e - 120) << 3) | ((bits >> 20) & 7)
+    sub = (r * 512.0).to(tl.int32)
+    return tl.where(e >= 121, normal, sub)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 v (|v| <= 448) -> nearest e4m3fn value as fp32, RNE, sign (also of zero) kept."""
+    if INTERPRET:
+        mag = _round_e4m3_mag(tl.abs(v))
+        r = tl.where(v.to(tl.int32, bitcast=True) < 0, -mag, mag)
+    else:
+        r = v.to(tl.float8e4nv).to(tl.float32)  # cvt.rn.satfinite
+    return r
+
+
+@triton.jit
+def _e4m3_byte(v):
+    """fp32 v (|v| <= 448) -> e4m3fn bit pattern (int32 0..255), RNE."""
+    if INTERPRET:
+        mag = _round_e4m3_mag(tl.abs(v))
+        sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+        b = _e4m3_code_of_mag(mag) | (sign << 7)
+    else:
+        b = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return b
+
+
+@triton.jit
+def _e4m3_of_byte(c):
+    """e4m3fn bit pattern (int32) -> fp32 value."""
+    if INTERPRET:
+        e = (c >> 3) & 15
+        m = (c & 7).to(tl.float32)
+        normal = ((e + 120) << 23).to(tl.float32, bitcast=True) * (1.0 + m * 0.125)
+        mag = tl.where(e > 0, normal, m * 0.001953125)
+        v = tl.where((c & 128) != 0, -mag, mag)
+    else:
+        v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _pow2_inv(s):
+    """Exact 1/s for a power of two s in [2^-126, 2^126] (x·(1/s) then equals the IEEE x/s)."""
+    e = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_round_mag(mag):
+    """|v| clamped to [0, 6] -> nearest E2M1 magnitude, ties to even. The grid step is 0.5 on [0, 2),
+    1 on [2, 4), 2 on [4, 6]; an even multiple of the step is an even code, so RNE of mag/step to an
+    integer (the 1.5·2^23 trick, exact for |t| < 2^22; needs no FMA/reassociation) is the E2M1 rule."""
+    inv_step = tl.where(mag < 2.0, 2.0, tl.where(mag < 4.0, 1.0, 0.5))
+    t = mag * inv_step
+    t = (t + 12582912.0) - 12582912.0
+    return t * tl.where(mag < 2.0, 0.5, tl.where(mag < 4.0, 1.0, 2.0))
+
+
+@triton.jit
+def _e2m1_code_of_rounded(r):
+    """Exact E2M1 magnitude r -> 3-bit code: 0..1.5 -> 2r, 2..3 -> r + 2, 4..6 -> r/2 + 4."""
+    return tl.where(r < 2.0, r * 2.0, tl.where(r < 4.0, r + 2.0, r * 0.5 + 4.0)).to(tl.int32)
+
+
+@triton.jit
+def _e2m1_mag_of_code(c):
+    """3-bit E2M1 code (int32) -> magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} (fp32)."""
+    hi = tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+    return tl.where(c < 4, c.to(tl.float32) * 0.5, hi)
+
+
+@triton.jit
+def _pow2_ceil(x):
+    """2^ceil(log2(x)) for a positive normal fp32 x, on the bits (official fast_round_scale)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scale(amax, FMT: tl.constexpr):
+    """Per-group amax (fp32) -> fp32 scale exact in its storage format."""
+    if FMT == 0:
+        s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+    elif FMT == 1:
+        amax_d6 = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
+        s = _round_e4m3_mag(tl.minimum(amax_d6, 448.0))
+    else:
+        s = _pow2_ceil(tl.maximum(amax, 6.0 * 1.1754943508222875e-38) * (1.0 / 6.0))
+    return s
+
+
+@triton.jit
+def _scale_byte(s, FMT: tl.constexpr):
+    """fp32 scale -> storage byte: UE8M0 biased exponent, or e4m3fn bits."""
+    if FMT == 1:
+        b = _e4m3_code_of_mag(s)
+    else:
+        b = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return b
+
+
+@triton.jit
+def _e2m1_qdq(v):
+    """x/s (fp32) -> rounded E2M1 value (fp32), sign kept (also of zero), magnitude clamped to 6."""
+    r = _e2m1_round_mag(tl.minimum(tl.abs(v), 6.0))
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """x/s (fp32) -> 4-bit E2M1 code (bit 3 = sign bit of v)."""
+    r = _e2m1_round_mag(tl.minimum(tl.abs(v), 6.0))
+    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+    return _e2m1_code_of_rounded(r) | (sign << 3)
+
+
+@triton.jit
+def _scaled(x, s_R, FMT: tl.constexpr):
+    """x [R, B] / s [R] exactly: a multiply by the exact reciprocal for power-of-two (UE8M0) scales,
+    an IEEE division for E4M3 scales."""
+    if FMT == 1:
+        v = tl.math.div_rn(x, tl.broadcast_to(s_R[:, None], x.shape))
+    else:
+        v = x * _pow2_inv(s_R)[:, None]
+    return v
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _qdq_kernel(x_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """y = dequant(quant(x)) per group of BLOCK contiguous elements; x viewed as [G, BLOCK]."""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs_RB = g_R[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask_RB = (g_R < n_groups)[:, None]
+    x_RB = tl.load(x_ptr + offs_RB, mask=mask_RB, other=0.0).to(tl.float32)
+    s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT)
+    v_RB = _scaled(x_RB, s_R, FMT)
+    if FMT == 0:
+        q_RB = _round_e4m3(tl.minimum(tl.maximum(v_RB, -448.0), 448.0))
+    else:
+        q_RB = _e2m1_qdq(v_RB)
+    tl.store(y_ptr + offs_RB, cast_rne(q_RB * s_R[:, None], y_ptr.dtype.element_ty), mask=mask_RB)
+
+
+@triton.jit
+def _quant_pack_kernel(
+    x_ptr, q_ptr, s_ptr, n_groups,
+    FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STRIDED: tl.constexpr,
+):  # fmt: skip
+    """x [G, BLOCK] -> codes (fp8: [G, BLOCK] bytes; fp4: [G, BLOCK/2] packed bytes) + scale byte [G].
+    STRIDED loads the even / odd elements with two stride-2 loads instead of one load + tl.split."""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mask_R = g_R < n_groups
+    HALF: tl.constexpr = BLOCK // 2
+    if FMT != 0 and STRIDED:
+        offs_RH = g_R[:, None] * BLOCK + 2 * tl.arange(0, HALF)[None, :]
+        even_RH = tl.load(x_ptr + offs_RH, mask=mask_R[:, None], other=0.0).to(tl.float32)
+        odd_RH = tl.load(x_ptr + offs_RH + 1, mask=mask_R[:, None], other=0.0).to(tl.float32)
+        amax_R = tl.maximum(tl.max(tl.abs(even_RH), axis=1), tl.max(tl.abs(odd_RH), axis=1))
+        s_R = _group_scale(amax_R, FMT)
+        even_RH = _scaled(even_RH, s_R, FMT)
+        odd_RH = _scaled(odd_RH, s_R, FMT)
+    else:
+        offs_RB = g_R[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        x_RB = tl.load(x_ptr + offs_RB, mask=mask_R[:, None], other=0.0).to(tl.float32)
+        s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT)
+        v_RB = _scaled(x_RB, s_R, FMT)
+    tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
+    if FMT == 0:
+        code_RB = _e4m3_byte(tl.minimum(tl.maximum(v_RB, -448.0), 448.0))
+        tl.store(q_ptr + offs_RB, code_RB.to(tl.uint8), mask=mask_R[:, None])
+    else:
+        if not STRIDED:
+            even_RH, odd_RH = tl.split(tl.reshape(v_RB, (ROWS, HALF, 2)))
+        byte_RH = _e2m1_code(even_RH) | (_e2m1_code(odd_RH) << 4)
+        offs_RH = g_R[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        tl.store(q_ptr + offs_RH, byte_RH.to(tl.uint8), mask=mask_R[:, None])
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Inverse of `_quant_pack_kernel`: codes + scale bytes -> values in y's dtype. (Stride-2 stores
+    of the even / odd halves instead of tl.join measured 7-8x slower on an H200.)"""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mask_R = g_R < n_groups
+    sb_R = tl.load(s_ptr + g_R, mask=mask_R, other=127).to(tl.int32)
+    if FMT == 1:
+        s_R = _e4m3_of_byte(sb_R)
+    else:
+        s_R = (sb_R << 23).to(tl.float32, bitcast=True)
+    out_ty = y_ptr.dtype.element_ty
+    offs_RB = g_R[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if FMT == 0:
+        c_RB = tl.load(q_ptr + offs_RB, mask=mask_R[:, None], other=0).to(tl.int32)
+        val_RB = _e4m3_of_byte(c_RB) * s_R[:, None]
+    else:
+        HALF: tl.constexpr = BLOCK // 2
+        offs_RH = g_R[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        b_RH = tl.load(q_ptr + offs_RH, mask=mask_R[:, None], other=0).to(tl.int32)
+        lo_RH = _e2m1_mag_of_code(b_RH & 7)
+        lo_RH = tl.where((b_RH & 8) != 0, -lo_RH, lo_RH) * s_R[:, None]
+        hi_RH = _e2m1_mag_of_code((b_RH >> 4) & 7)
+        hi_RH = tl.where((b_RH & 128) != 0, -hi_RH, hi_RH) * s_R[:, None]
+        val_RB = tl.reshape(tl.join(lo_RH, hi_RH), (ROWS, BLOCK))
+    tl.store(y_ptr + offs_RB, cast_rne(val_RB, out_ty), mask=mask_R[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _check(x: torch.Tensor, block: int) -> int:
+    assert x.is_contiguous(), "quant kernels need a contiguous input"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert block in (16, 32), "quant blocks are 16 (FP4-E4M3) or 32 (FP8, MXFP4)"
+    assert x.size(-1) % block == 0, f"last dim {x.size(-1)} is not a multiple of the block {block}"
+    return x.numel() // block
+
+
+def _launch_opts() -> dict:
+    # the interpreter rejects compiler options; on the GPU turn FMA contraction off for exactness
+    # No FMA contraction: every product/sum must round exactly like the reference's separate ops.
+    return {} if _interpreting() else {"num_warps": CONFIG["num_warps"], "enable_fp_fusion": False}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def qdq(x: torch.Tensor, fmt: int, block: int | None = None) -> torch.Tensor:
+    """Fake quant (no autograd): x (bf16/fp16/fp32, contiguous, last dim % block == 0) -> same shape/dtype."""
+    block = block or _DEFAULT_BLOCK[fmt]
+    n_groups = _check(x, block)
+    y = torch.empty_like(x)
+    if n_groups:
+        rows = CONFIG["rows"]
+        grid = (triton.cdiv(n_groups, rows),)
+        _qdq_kernel[grid](x, y, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, **_launch_opts())
+    return y
+
+
+def quantize_packed(x: torch.Tensor, fmt: int, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., N] -> (codes, scale bytes [..., N/block] uint8).
+
+    codes: fp8 -> uint8 e4m3fn bits [..., N] (`.view(torch.float8_e4m3fn)` gives torch's dtype);
+    fp4 formats -> packed uint8 [..., N/2], low nibble = even element.
+    """
+    block = block or _DEFAULT_BLOCK[fmt]
+    n_groups = _check(x, block)
+    n = x.size(-1)
+    codes_n = n if fmt == FMT_FP8 else n // 2
+    q = torch.empty(*x.shape[:-1], codes_n, dtype=torch.uint8, device=x.device)
+    s = torch.empty(*x.shape[:-1], n // block, dtype=torch.uint8, device=x.device)
+    if n_groups:
+        rows = CONFIG["rows"]
+        strided = CONFIG["strided"] if CONFIG["strided"] is not None else fmt == FMT_FP4_E4M3
+        grid = (triton.cdiv(n_groups, rows),)
+        _quant_pack_kernel[grid](x, q, s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, STRIDED=strided, **_launch_opts())
+    return q, s
+
+
+def dequantize_packed(q: torch.Tensor, s: torch.Tensor, fmt: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of `quantize_packed`: (codes, scale bytes) -> values [..., N] in `dtype`."""
+    q = q.view(torch.uint8)
+    s = s.view(torch.uint8)
+    assert q.is_contiguous() and s.is_contiguous()
+    n = q.size(-1) * (1 if fmt == FMT_FP8 else 2)
+    assert n % s.size(-1) == 0
+    block = n // s.size(-1)
+    assert block in (16, 32)
+    y = torch.empty(*q.shape[:-1], n, dtype=dtype, device=q.device)
+    n_groups = s.numel()
+    if n_groups:
+        rows = CONFIG["rows_dequant"]
+        grid = (triton.cdiv(n_groups, rows),)
+        _dequant_kernel[grid](q, s, y, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, **_launch_opts())
+    return y
+
+
+def scale_bytes_to_float(s: torch.Tensor, fmt: int) -> torch.Tensor:
+    """Scale bytes -> fp32 (UE8M0: 2^(b-127); E4M3: the e4m3fn value)."""
+    if fmt == FMT_FP4_E4M3:
+        return s.view(torch.float8_e4m3fn).float()
+    return (s.to(torch.int32) << 23).view(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd: straight-through fake quant, registered as custom ops so torch.compile can trace them
+
+
+@torch.library.custom_op("flashpost::qdq", mutates_args=())
+def _qdq_op(x: torch.Tensor, fmt: int, block: int) -> torch.Tensor:
+    return qdq(x.contiguous(), fmt, block)
+
+
+@_qdq_op.register_fake
+def _(x: torch.Tensor, fmt: int, block: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _qdq_backward(ctx, grad: torch.Tensor):
+    return grad, None, None
+
+
+_qdq_op.register_autograd(_qdq_backward)
+
+
+def fp8_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 e4m3 QDQ, UE8M0 scale per `block` (Triton; straight-through gradient)."""
+    return _qdq_op(x, FMT_FP8, block)
+
+
+def fp4_e4m3_fake_quant(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """E2M1 QDQ, E4M3 scale per `block` (Triton; straight-through gradient)."""
+    return _qdq_op(x, FMT_FP4_E4M3, block)
+
+
+def mxfp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """E2M1 QDQ, UE8M0 scale per `block` (Triton; straight-through gradient)."""
+    return _qdq_op(x, FMT_MXFP4, block)
+
+
+def quantize_fp8_packed(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (e4m3fn code bytes uint8 [..., N], UE8M0 exponent bytes [..., N/block])."""
+    return quantize_packed(x, FMT_FP8, block)
+
+
+def quantize_fp4_e4m3_packed(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (packed E2M1 bytes [..., N/2], e4m3fn scale bytes [..., N/block])."""
+    return quantize_packed(x, FMT_FP4_E4M3, block)
+
+
+def quantize_mxfp4_packed(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (packed E2M1 bytes [..., N/2], UE8M0 exponent bytes [..., N/block])."""
+    return quantize_packed(x, FMT_MXFP4, block)
+
+
+def dequantize_fp8_packed(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return dequantize_packed(q, s, FMT_FP8, dtype)
+
+
+def dequantize_fp4_packed(
+    q: torch.Tensor, s: torch.Tensor, scale_fmt: str, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """scale_fmt: "e4m3" (compressed KV, block 16) or "ue8m0" (MXFP4, block 32)."""
+    fmt = {"e4m3": FMT_FP4_E4M3, "ue8m0": FMT_MXFP4}[scale_fmt]
+    return dequantize_packed(q, s, fmt, dtype)

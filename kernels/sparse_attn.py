@@ -1,0 +1,290 @@
+"""Triton sparse CSA2 attention forward: queries against KV rows gathered by index (spec §3.9).
+
+One shared KV head (K = V = the 512-wide latent row), per-head attention sink added unscaled to the
+denominator only, index -1 = invalid, a row with no valid index returns 0. The kernel mirrors the
+official tilelang kernel: online softmax over blocks of 64 indices, running max initialised at
+-1e30, probabilities rounded to bf16 before P·V, fp32 denominator, output in q's dtype. Used for
+decode / speculative verification (M = 1..few queries per sequence) and the training forward.
+The backward is a Triton kernel too (recompute p from the saved log-denominator, fp32 atomics into
+dkv since KV rows are shared across queries); it differentiates the fp32-probability attention of
+the torch reference `model.attention.sparse_attn_ref` (re-exported here).
+
+Shape legend: B batch, M queries per sequence, H heads, Dh head dim (K = V row), N KV rows,
+K indices per query; tiles: BH heads, BK indices, BDK the QK reduction chunk, DV output columns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from kernels.quant import cast_rne
+from model.attention import sparse_attn_ref
+
+__all__ = [
+    "sparse_attn",
+    "sparse_attn_fwd",
+    "sparse_attn_bwd",
+    "sparse_attn_ref",
+    "DECODE_CONFIG",
+    "TRAIN_CONFIG",
+    "BWD_CONFIG",
+]
+
+# Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16):
+# decode (B·M = 64 query rows) splits the output columns in two (DV 256) and streams q / K in 64-wide
+# chunks with a 2-stage pipeline, to put 128 programs on 132 SMs; the training forward (many rows)
+# keeps whole q rows resident and loads each gathered K = V row once (BDK "full", DV = Dh). A number
+# as BDK streams q and K in chunks of that width. `_pick_config` chooses by the number of rows; if a
+# config needs more shared memory than the device has, the launcher falls back along _FALLBACKS.
+DECODE_CONFIG = {"BH": 64, "BK": 32, "BDK": 64, "DV": 256, "num_warps": 4, "num_stages": 2}
+TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1}
+DEFAULT_CONFIG = TRAIN_CONFIG  # base that a partial `config` argument overrides
+_FALLBACKS = (
+    {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
+    {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
+    {"BH": 32, "BK": 32, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
+)
+_DECODE_MAX_ROWS = 512  # fewer query rows than this: too few programs without the DV split
+
+
+def _pick_config(n_rows: int) -> dict:
+    return DECODE_CONFIG if n_rows < _DECODE_MAX_ROWS else TRAIN_CONFIG
+
+
+_fitted: dict[tuple, dict] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    """fp32 dot operands (F32_DOT) under the interpreter, whose 16-bit tl.dot is broken, and for fp32
+    inputs; those use full-precision FMA dots ("ieee"), not TF32."""
+    f32 = _interpreting() or dtype == torch.float32
+    return {"F32_DOT": f32, "DOT_PREC": "ieee" if f32 else "tf32"}
+
+
+@triton.jit
+def _sparse_attn_fwd_kernel(
+    q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
+    M, H, N, K, scale,
+    DH: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr,
+    F32_DOT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (row = b·M + m, head block, output column block). With STORE_LSE also writes
+    lse [B·M, H] = m + log(Σ exp(l - m) + exp(sink - m)) for the backward (inf for an empty row)."""
+    row = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    dv0 = tl.program_id(2) * DV
+    b = row // M
+    h_H = h0 + tl.arange(0, BH)
+    mask_H = h_H < H
+    q_row = q_ptr + row * H * DH
+    kv_b = kv_ptr + b * N * DH
+    sink_H = tl.load(sink_ptr + h_H, mask=mask_H, other=0.0).to(tl.float32)
+    m_H = tl.full((BH,), -1.0e30, tl.float32)
+    l_H = tl.zeros((BH,), tl.float32)
+    acc_HV = tl.zeros((BH, DV), tl.float32)
+    dk_C = tl.arange(0, BDK)
+    dv_V = dv0 + tl.arange(0, DV)
+    DT: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty  # interpreter: fp32 dots
+    if BDK == DH:  # whole q rows stay resident; K = V rows are loaded once per block
+        q_HD = tl.load(q_row + h_H[:, None] * DH + dk_C[None, :], mask=mask_H[:, None], other=0.0).to(DT)
+    for k0 in range(0, K, BK):
+        k_K = k0 + tl.arange(0, BK)
+        idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
+        valid_K = idx_K >= 0
+        rows_K = kv_b + tl.where(valid_K, idx_K, 0) * DH
+        if BDK == DH:
+            kv_KD = tl.load(rows_K[:, None] + dk_C[None, :], mask=valid_K[:, None], other=0.0).to(DT)
+            s_HK = tl.dot(q_HD, tl.trans(kv_KD), input_precision=DOT_PREC)
+        else:
+            s_HK = tl.zeros((BH, BK), tl.float32)
+            for d0 in tl.static_range(0, DH, BDK):
+                q_HC = tl.load(q_row + h_H[:, None] * DH + (d0 + dk_C)[None, :], mask=mask_H[:, None], other=0.0)
+                k_KC = tl.load(rows_K[:, None] + (d0 + dk_C)[None, :], mask=valid_K[:, None], other=0.0)
+                s_HK = tl.dot(q_HC.to(DT), tl.trans(k_KC.to(DT)), s_HK, input_precision=DOT_PREC)
+        s_HK = tl.where(valid_K[None, :], s_HK * scale, float("-inf"))
+        m_new_H = tl.maximum(m_H, tl.max(s_HK, axis=1))
+        alpha_H = tl.exp(m_H - m_new_H)
+        p_HK = tl.exp(s_HK - m_new_H[:, None])
+        l_H = l_H * alpha_H + tl.sum(p_HK, axis=1)
+        if BDK == DH and DV == DH:
+            v_KV = kv_KD
+        else:
+            v_KV = tl.load(rows_K[:, None] + dv_V[None, :], mask=valid_K[:, None], other=0.0).to(DT)
+        acc_HV = acc_HV * alpha_H[:, None]
+        # probabilities rounded to q's 16-bit dtype before P·V (exact in fp32 for the interpreter)
+        p_HK = cast_rne(p_HK, q_ptr.dtype.element_ty).to(DT)
+        acc_HV = tl.dot(p_HK, v_KV, acc_HV, input_precision=DOT_PREC)
+        m_H = m_new_H
+    # the sink joins the denominator only, unscaled; an all-invalid row has m = -1e30, so
+    # exp(sink - m) = inf and the output is 0 / inf = 0
+    l_H = l_H + tl.exp(sink_H - m_H)
+    o_HV = acc_HV / l_H[:, None]
+    o_offs = row * H * DH + h_H[:, None] * DH + dv_V[None, :]
+    tl.store(o_ptr + o_offs, cast_rne(o_HV, o_ptr.dtype.element_ty), mask=mask_H[:, None])
+    if STORE_LSE:
+        # every output-column program computes the same lse; the identical writes are benign
+        tl.store(lse_ptr + row * H + h_H, m_H + tl.log(l_H), mask=mask_H)
+
+
+def sparse_attn_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    idxs: torch.Tensor,
+    scale: float,
+    config: dict | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Forward only. q [B,M,H,Dh] bf16/fp16, kv [B,N,Dh] (same dtype), attn_sink [H] fp32,
+    idxs [B,M,K] int32/int64 (-1 invalid) -> o [B,M,H,Dh] in q's dtype. If `lse` (fp32 [B,M,H]) is
+    given, the log of each softmax denominator (sink included) is written into it."""
+    if config is None:
+        first = _pick_config(q.shape[0] * q.shape[1])
+        key = (q.shape[-1], q.shape[-2], q.dtype, q.device, id(first))
+        for cfg in [_fitted[key]] if key in _fitted else [first, *_FALLBACKS]:
+            try:
+                o = sparse_attn_fwd(q, kv, attn_sink, idxs, scale, cfg, lse)
+            except OutOfResources:
+                continue
+            _fitted[key] = cfg
+            return o
+        raise RuntimeError("no sparse_attn tile config fits this device")
+    cfg = {**DEFAULT_CONFIG, **config}
+    B, M, H, Dh = q.shape
+    N = kv.size(1)
+    K = idxs.size(-1)
+    assert q.is_contiguous() and kv.is_contiguous() and idxs.is_contiguous() and attn_sink.is_contiguous()
+    assert kv.shape == (B, N, Dh) and idxs.shape == (B, M, K) and attn_sink.shape == (H,)
+    assert q.dtype == kv.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32), q.dtype
+    assert not idxs.is_floating_point()
+    bh = min(cfg["BH"], max(16, triton.next_power_of_2(H)))  # heads padded to >= 16 for tl.dot
+    bdk = Dh if cfg["BDK"] == "full" else min(int(cfg["BDK"]), Dh)
+    dv = min(cfg["DV"], Dh)
+    assert Dh % bdk == 0 and Dh % dv == 0, f"head_dim {Dh} must be a multiple of {bdk} and of DV {dv}"
+    o = torch.empty_like(q)
+    if q.numel() == 0:
+        return o
+    if K == 0:
+        if lse is not None:
+            lse.copy_(attn_sink.float().expand_as(lse))
+        return o.zero_()
+    grid = (B * M, triton.cdiv(H, bh), Dh // dv)
+    opts = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _sparse_attn_fwd_kernel[grid](
+        q, kv, attn_sink, idxs, o, lse if lse is not None else o, M, H, N, K, float(scale),
+        DH=Dh, BH=bh, BK=cfg["BK"], BDK=bdk, DV=dv,
+        STORE_LSE=lse is not None, **_dot_args(q.dtype), **opts,
+    )  # fmt: skip
+    return o
+
+
+@triton.jit
+def _sparse_attn_bwd_kernel(
+    q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr,
+    dq_ptr, dkv_ptr, dsink_ptr,
+    M, H, N, K, scale,
+    DH: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (row, head block). Recomputes p = exp(scale·q·k - lse) per block of indices (fp32,
+    the unrounded probabilities) and accumulates
+      dq  = scale · Σ_k ds_k · kv_k,            ds = p · (do·kv_k - δ),  δ = Σ_d o·do
+      dkv[idx_k] += Σ_h p·do + scale · Σ_h ds·q   (fp32 atomics: rows are shared across queries)
+      dsink_part[row, h] = -exp(sink - lse) · δ
+    dq / ds / p enter the dots in q's 16-bit dtype (fp32 under the interpreter)."""
+    row = tl.program_id(0).to(tl.int64)
+    h_H = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask_H = h_H < H
+    b = row // M
+    d_D = tl.arange(0, DH)
+    DT: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty
+    offs_HD = row * H * DH + h_H[:, None] * DH + d_D[None, :]
+    q_HD = tl.load(q_ptr + offs_HD, mask=mask_H[:, None], other=0.0)
+    do_HD = tl.load(do_ptr + offs_HD, mask=mask_H[:, None], other=0.0)
+    o_HD = tl.load(o_ptr + offs_HD, mask=mask_H[:, None], other=0.0)
+    delta_H = tl.sum(o_HD.to(tl.float32) * do_HD.to(tl.float32), axis=1)
+    lse_H = tl.load(lse_ptr + row * H + h_H, mask=mask_H, other=float("inf"))
+    sink_H = tl.load(sink_ptr + h_H, mask=mask_H, other=0.0).to(tl.float32)
+    tl.store(dsink_ptr + row * H + h_H, -tl.exp(sink_H - lse_H) * delta_H, mask=mask_H)
+    q_HD = q_HD.to(DT)
+    do_HD = do_HD.to(DT)
+    dq_HD = tl.zeros((BH, DH), tl.float32)
+    kv_b = kv_ptr + b * N * DH
+    dkv_b = dkv_ptr + b * N * DH
+    for k0 in range(0, K, BK):
+        k_K = k0 + tl.arange(0, BK)
+        idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
+        valid_K = idx_K >= 0
+        safe_K = tl.where(valid_K, idx_K, 0) * DH
+        kv_KD = tl.load(kv_b + safe_K[:, None] + d_D[None, :], mask=valid_K[:, None], other=0.0).to(DT)
+        s_HK = tl.dot(q_HD, tl.trans(kv_KD), input_precision=DOT_PREC) * scale
+        p_HK = tl.where(valid_K[None, :], tl.exp(s_HK - lse_H[:, None]), 0.0)
+        dp_HK = tl.dot(do_HD, tl.trans(kv_KD), input_precision=DOT_PREC)
+        ds_HK = p_HK * (dp_HK - delta_H[:, None])
+        dq_HD = tl.dot(ds_HK.to(DT), kv_KD, dq_HD, input_precision=DOT_PREC)
+        dkv_KD = tl.dot(tl.trans(p_HK.to(DT)), do_HD, input_precision=DOT_PREC)
+        dkv_KD += tl.dot(tl.trans(ds_HK.to(DT)), q_HD, input_precision=DOT_PREC) * scale
+        tl.atomic_add(dkv_b + safe_K[:, None] + d_D[None, :], dkv_KD, mask=valid_K[:, None], sem="relaxed")
+    tl.store(dq_ptr + offs_HD, cast_rne(dq_HD * scale, dq_ptr.dtype.element_ty), mask=mask_H[:, None])
+
+
+# Backward tiles: whole head_dim rows resident (dq [BH, Dh] fp32 in registers), so small BH / BK.
+BWD_CONFIG = {"BH": 32, "BK": 32, "num_warps": 8, "num_stages": 1}  # best of the H200 sweep
+
+
+def sparse_attn_bwd(q, kv, attn_sink, idxs, scale, o, lse, do, config: dict | None = None):
+    """Gradients (dq, dkv, dsink) of `sparse_attn` given its output o and lse [B,M,H] fp32."""
+    cfg = {**BWD_CONFIG, **(config or {})}
+    B, M, H, Dh = q.shape
+    N, K = kv.size(1), idxs.size(-1)
+    assert triton.next_power_of_2(Dh) == Dh, "the backward keeps whole rows: head_dim must be a power of 2"
+    do = do.contiguous()
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(B, N, Dh, dtype=torch.float32, device=q.device)
+    dsink = torch.zeros(B * M, H, dtype=torch.float32, device=q.device)
+    if q.numel() and K:
+        bh = min(cfg["BH"], max(16, triton.next_power_of_2(H)))
+        opts = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        _sparse_attn_bwd_kernel[(B * M, triton.cdiv(H, bh))](
+            q, kv, attn_sink, idxs, o, do, lse, dq, dkv, dsink, M, H, N, K, float(scale),
+            DH=Dh, BH=bh, BK=cfg["BK"], **_dot_args(q.dtype), **opts,
+        )  # fmt: skip
+    else:
+        dq.zero_()
+    return dq, dkv.to(kv.dtype), dsink.sum(0)
+
+
+class _SparseAttn(torch.autograd.Function):
+    """Triton forward and backward. The backward differentiates the attention with unrounded fp32
+    probabilities (the torch reference's), not the bf16-rounded P the forward multiplies V with."""
+
+    @staticmethod
+    def forward(ctx, q, kv, attn_sink, idxs, scale):
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        o = sparse_attn_fwd(q, kv, attn_sink, idxs, scale, lse=lse)
+        ctx.save_for_backward(q, kv, attn_sink, idxs, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, g_o):
+        q, kv, attn_sink, idxs, o, lse = ctx.saved_tensors
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, attn_sink, idxs, ctx.scale, o, lse, g_o)
+        return dq, dkv, dsink, None, None
+
+
+def sparse_attn(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Drop-in for `sparse_attn_ref` (same signature and contract), Triton forward and backward."""
+    return _SparseAttn.apply(
+        q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(), idxs.contiguous(), float(scale)
+    )

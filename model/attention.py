@@ -1,0 +1,469 @@
+"""V4.1 sparse attention: a sliding window of raw KV plus top-k compressed KV, one shared KV head.
+
+Holds the torch reference `sparse_attn_ref` (§3.9), the per-call layout of what each query may see
+(window, compressed groups, document boundaries), the explicit per-call sharing state of
+Full/Reindex/Reuse layers, the per-layer incremental cache and the `Attention` module (§3.4).
+No module globals: everything a layer shares with later layers travels in `SharedAttnState`.
+Not here: the compressor (compressor.py), the indexer (indexer.py), mHC/blocks (transformer.py).
+
+Shape legend: B batch, S queries (new tokens) of this call, T window-KV rows (cache tail + new),
+G compressed groups (cached + new), N new groups, W window, H heads, Dh head dim, D model dim,
+K selected entries per query, r compress ratio, Q q_lora_rank, R/2 complex rope pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.compressor import Compressor
+from model.config import ModelArgs
+from model.indexer import Indexer, IndexerOutput
+from model.norm import RMSNorm
+from model.quant import fp4_e4m3_fake_quant, fp8_fake_quant
+from model.rope import apply_rotary_emb
+
+
+# ---------------------------------------------------------------------------- sparse attention
+def _gathered_logits(q_BMHD, kv_BND, idxs_BMK, scale):
+    B, M, H, Dh = q_BMHD.shape
+    K = idxs_BMK.size(-1)
+    valid_BMK = idxs_BMK >= 0
+    flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, Dh)
+    kv_BMKD = kv_BND.float().gather(1, flat).view(B, M, K, Dh)
+    logits_BMHK = torch.einsum("bmhd,bmkd->bmhk", q_BMHD.float(), kv_BMKD) * scale
+    return logits_BMHK.masked_fill(~valid_BMK[:, :, None, :], -torch.inf), kv_BMKD
+
+
+def _probs_with_sink(logits_BMHK, attn_sink_H):
+    # The sink joins the softmax denominator unscaled and carries no value (§3.9).
+    sink_BMH1 = attn_sink_H.float().view(1, 1, -1, 1).expand(*logits_BMHK.shape[:3], 1)
+    lse_BMH1 = torch.logsumexp(torch.cat([logits_BMHK, sink_BMH1], dim=-1), dim=-1, keepdim=True)
+    return torch.exp(logits_BMHK - lse_BMH1)
+
+
+def sparse_attn_ref(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """o[b,m,h] = sum_k p_k kv[b, idxs[b,m,k]], p = softmax over {scale*q.kv_k} U {attn_sink[h]}.
+
+    q [B,M,H,Dh], kv [B,N,Dh] (K = V), attn_sink [H] fp32, idxs [B,M,K] int (-1 = invalid).
+    The sink enters the denominator only, unscaled; a row with no valid index returns 0. Computed
+    in fp32 (the official kernel casts probabilities to bf16 before P.V), returned in q's dtype.
+    """
+    logits_BMHK, kv_BMKD = _gathered_logits(q, kv, idxs, scale)
+    p_BMHK = _probs_with_sink(logits_BMHK, attn_sink)
+    return torch.einsum("bmhk,bmkd->bmhd", p_BMHK, kv_BMKD).to(q.dtype)
+
+
+def sparse_attn_probs_ref(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The attention probabilities [B,M,H,K] fp32 that `sparse_attn_ref` applies (0 at -1 slots)."""
+    return _probs_with_sink(_gathered_logits(q, kv, idxs, scale)[0], attn_sink)
+
+
+def windowed_sparse_attn(
+    q: torch.Tensor,
+    kv_win: torch.Tensor,
+    win_lo: int,
+    win_idxs: torch.Tensor,
+    attn_sink: torch.Tensor,
+    scale: float,
+    ckv: torch.Tensor | None = None,
+    cidx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sparse_attn_ref(q, cat[kv_win, ckv], attn_sink, cat[win_idxs, cidx + T], scale)`, faster in torch.
+
+    The window part uses that query i's window rows are the contiguous range win_lo + i + (0..W-1)
+    (masked where win_idxs is -1, as `window_topk_idxs` builds them): queries are cut into blocks
+    of C = W and each block attends its C+W-1 rows with one dense GEMM, instead of gathering W
+    rows per query. Only the top-k compressed entries (cidx, group indices into ckv) are gathered.
+    Returns (o [B,S,H,Dh] in q's dtype, compressed-entry probabilities [B,S,H,Kc] fp32 or None).
+    """
+    B, S, H, Dh = q.shape
+    T, W = kv_win.size(1), win_idxs.size(-1)
+    C = max(1, min(W, S))
+    n_blk = -(-S // C)
+    Sp, L = n_blk * C, C + W - 1
+    pad_lo = max(0, -win_lo)
+    pad_hi = max(0, win_lo + (n_blk - 1) * C + L - T)
+    kvp = F.pad(kv_win.float(), (0, 0, pad_lo, pad_hi))
+    first = win_lo + pad_lo
+    kv_BNDL = kvp[:, first : first + (n_blk - 1) * C + L].unfold(1, L, C)  # view: block n, row u
+    q_BNCHD = F.pad(q.float(), (0, 0, 0, 0, 0, Sp - S)).view(B, n_blk, C, H, Dh)
+    logits_BNCHL = torch.einsum("bnchd,bndl->bnchl", q_BNCHD, kv_BNDL) * scale
+    # query i = n*C + c sees block row u = c + w for its valid window slots w
+    u_SW = (torch.arange(Sp, device=q.device) % C)[:, None] + torch.arange(W, device=q.device)
+    valid_BSW = F.pad(win_idxs >= 0, (0, 0, 0, Sp - S))
+    allowed = torch.zeros(B, Sp, L, dtype=torch.bool, device=q.device).scatter(-1, u_SW.expand(B, Sp, W), valid_BSW)
+    logits_BNCHL = logits_BNCHL.masked_fill(~allowed.view(B, n_blk, C, 1, L), -torch.inf)
+    logits_BSHL = logits_BNCHL.view(B, Sp, H, L)
+    parts = [logits_BSHL]
+    if ckv is not None and cidx is not None and cidx.size(-1) > 0:
+        cidx_p = F.pad(cidx, (0, 0, 0, Sp - S), value=-1)
+        logits_c, kv_BSKD = _gathered_logits(F.pad(q, (0, 0, 0, 0, 0, Sp - S)), ckv, cidx_p, scale)
+        parts.append(logits_c)
+    sink = attn_sink.float().view(1, 1, -1, 1).expand(B, Sp, H, 1)
+    lse_BSH1 = torch.logsumexp(torch.cat([*parts, sink], dim=-1), dim=-1, keepdim=True)
+    p_BNCHL = torch.exp(logits_BSHL - lse_BSH1).view(B, n_blk, C, H, L)
+    o_BSHD = torch.einsum("bnchl,bndl->bnchd", p_BNCHL, kv_BNDL).reshape(B, Sp, H, Dh)
+    p_comp = None
+    if len(parts) == 2:
+        p_comp = torch.exp(parts[1] - lse_BSH1)
+        o_BSHD = o_BSHD + torch.einsum("bshk,bskd->bshd", p_comp, kv_BSKD)
+        p_comp = p_comp[:, :S]
+    return o_BSHD[:, :S].to(q.dtype), p_comp
+
+
+def window_topk_idxs(q_abs_BS: torch.Tensor, doc_start_BS: torch.Tensor, window: int, base: int = 0) -> torch.Tensor:
+    """[B,S,W] window KV rows per query, oldest first: absolute tokens q-W+1 .. q of the query's own
+    document, shifted by `base` (absolute index of window-KV row 0); -1 before the document start."""
+    t_BSW = q_abs_BS[..., None] - (window - 1) + torch.arange(window, device=q_abs_BS.device)
+    return torch.where(t_BSW >= doc_start_BS[..., None], t_BSW - base, -1)
+
+
+# ---------------------------------------------------------------------------- per-call layout
+@dataclass
+class GroupLayout:
+    """Compressed groups of one ratio r for one call.
+
+    tok_idx [B,N,r]: tokens of each new group, indexing [carried pending tokens ; new tokens].
+    anchor_pos [B,N]: RoPE position of each new group = its first token's document position.
+    visible [B,S,G]: group g is visible to query s iff same document and g's last token <= s.
+    newest [B,S]: newest visible group (-1 none). block_id [B,G]: candidate block of each group
+    (blocks restart per document). n_pending_before: tokens of an incomplete group carried in.
+    """
+
+    ratio: int
+    tok_idx: torch.Tensor
+    anchor_pos: torch.Tensor
+    visible: torch.Tensor
+    newest: torch.Tensor
+    block_id: torch.Tensor
+    n_blocks: int
+    n_pending_before: int = 0
+
+
+@dataclass
+class AttnLayout:
+    """What every query of one call may see. q_pos [B,S]: RoPE positions (restart per document);
+    win_idxs [B,S,W]: window KV rows, query i's being win_lo + i + (0..W-1) where not -1;
+    groups: one GroupLayout per compress ratio in the model."""
+
+    q_pos: torch.Tensor
+    win_idxs: torch.Tensor
+    win_lo: int
+    groups: dict[int, GroupLayout]
+
+
+def _newest(visible_BSG: torch.Tensor) -> torch.Tensor:
+    G = visible_BSG.size(-1)
+    if G == 0:
+        return visible_BSG.new_full(visible_BSG.shape[:2], -1, dtype=torch.long)
+    ar = torch.arange(G, device=visible_BSG.device)
+    return torch.where(visible_BSG, ar, -1).amax(-1)
+
+
+def _packed_groups(seg_BS: torch.Tensor, pos_BS: torch.Tensor, ratio: int, block_size: int) -> GroupLayout:
+    B, S = seg_BS.shape
+    dev = seg_BS.device
+    ar = torch.arange(S, device=dev)
+    last = (ar + ratio - 1).clamp(max=S - 1).expand(B, S)
+    # A group starts at document positions 0, r, 2r, ... and exists only once complete (§3.5).
+    anchor = (pos_BS % ratio == 0) & (ar + ratio - 1 < S) & (seg_BS.gather(1, last) == seg_BS)
+    N = int(anchor.sum(1).max()) if S else 0
+    slot = torch.where(anchor, anchor.cumsum(1) - 1, N)  # N = discard slot
+    anchor_tok = torch.zeros(B, N + 1, dtype=torch.long, device=dev).scatter(1, slot, ar.expand(B, S))[:, :N]
+    valid = torch.zeros(B, N + 1, dtype=torch.bool, device=dev).scatter(1, slot, anchor)[:, :N]
+    anchor_pos = pos_BS.gather(1, anchor_tok)
+    g_seg, g_last = seg_BS.gather(1, anchor_tok), anchor_tok + ratio - 1
+    visible = valid[:, None, :] & (g_seg[:, None, :] == seg_BS[:, :, None]) & (g_last[:, None, :] <= ar[:, None])
+    bs = max(block_size, 1)
+    block_id = (((anchor_pos // ratio) % bs == 0).cumsum(1) - 1).clamp(min=0)
+    return GroupLayout(
+        ratio=ratio,
+        tok_idx=anchor_tok[..., None] + torch.arange(ratio, device=dev),
+        anchor_pos=anchor_pos,
+        visible=visible,
+        newest=_newest(visible),
+        block_id=block_id,
+        n_blocks=int(block_id.max()) + 1 if N else 0,
+    )
+
+
+def build_packed_layout(doc_ids: torch.Tensor, window: int, ratios: tuple[int, ...], block_size: int) -> AttnLayout:
+    """Layout of a teacher-forced call over packed rows (doc_ids [B,S]; a new document starts
+    wherever the id changes). Every document behaves as if it ran alone from position 0."""
+    B, S = doc_ids.shape
+    dev = doc_ids.device
+    ar = torch.arange(S, device=dev)
+    is_start = torch.ones(B, S, dtype=torch.bool, device=dev)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    seg = is_start.cumsum(1) - 1
+    start = torch.cummax(torch.where(is_start, ar, 0), dim=1).values
+    pos = ar - start
+    win = window_topk_idxs(ar.expand(B, S), start, window)
+    groups = {r: _packed_groups(seg, pos, r, block_size) for r in ratios}
+    return AttnLayout(q_pos=pos, win_idxs=win, win_lo=1 - window, groups=groups)
+
+
+def build_incremental_layout(
+    batch: int,
+    start_pos: int,
+    seqlen: int,
+    window: int,
+    window_base: int,
+    ratios: tuple[int, ...],
+    block_size: int,
+    device: torch.device,
+) -> AttnLayout:
+    """Layout of a call over tokens start_pos .. start_pos+seqlen-1 of one document per row, after
+    `start_pos` cached tokens (window KV rows start at absolute token `window_base`)."""
+    q_abs = (start_pos + torch.arange(seqlen, device=device)).expand(batch, seqlen)
+    win = window_topk_idxs(q_abs, torch.zeros_like(q_abs), window, base=window_base)
+    bs = max(block_size, 1)
+    groups = {}
+    for r in ratios:
+        g_past, n_new = start_pos // r, (start_pos % r + seqlen) // r
+        G = g_past + n_new
+        g = torch.arange(G, device=device)
+        visible = (g * r + r - 1)[None, None, :] <= q_abs[..., None]
+        j = torch.arange(n_new, device=device)
+        groups[r] = GroupLayout(
+            ratio=r,
+            tok_idx=(j[:, None] * r + torch.arange(r, device=device)).expand(batch, n_new, r),
+            anchor_pos=((g_past + j) * r).expand(batch, n_new),
+            visible=visible,
+            newest=(q_abs + 1) // r - 1,
+            block_id=(g // bs).expand(batch, G),
+            n_blocks=-(-G // bs),
+            n_pending_before=start_pos % r,
+        )
+    return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=start_pos - window + 1 - window_base, groups=groups)
+
+
+# ---------------------------------------------------------------------------- state and caches
+@dataclass
+class SharedAttnState:
+    """What layers publish to later layers within ONE forward call (the reference's module-global
+    `shared_attn`, made explicit). compress_kv/index_k are keyed by ratio and hold all groups
+    (cached + new): [B,G,Dh] post-RoPE QDQ'd latents, [B,G,Di] index keys. topk_idxs [B,S,K] group
+    indices from the latest index source (-1 = none); candidates [B,S,G] from the candidate source."""
+
+    compress_kv: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_k: dict[int, torch.Tensor] = field(default_factory=dict)
+    topk_idxs: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    indexer_losses: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class LayerCache:
+    """Incremental state of one layer. window_kv [B,T,Dh]: the last window_size-1 (+ max_rollback)
+    tokens' KV as attended (post-RoPE, QDQ'd). kv sources also: compress_kv [B,G,Dh], index_k
+    [B,G,Di], and for ratio r > 1 raw_kv/raw_score fp32 [B,<=r-1+max_rollback,Dh]: the
+    compressor's per-token projections of the newest tokens, the tail of which is the incomplete
+    group (the reference's kv_state/score_state). `max_rollback` tokens can be dropped again by
+    `truncate` (speculative verification)."""
+
+    ratio: int = 0
+    max_rollback: int = 0
+    window_kv: torch.Tensor | None = None
+    compress_kv: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+    raw_kv: torch.Tensor | None = None
+    raw_score: torch.Tensor | None = None
+
+    def truncate(self, n_drop: int, new_len: int) -> None:
+        """Forget the newest `n_drop` tokens (<= max_rollback), leaving `new_len` tokens."""
+        if self.window_kv is not None:
+            self.window_kv = self.window_kv[:, : self.window_kv.size(1) - n_drop]
+        if self.compress_kv is not None:
+            g = new_len // self.ratio
+            self.compress_kv, self.index_k = self.compress_kv[:, :g], self.index_k[:, :g]
+        if self.raw_kv is not None:
+            keep = self.raw_kv.size(1) - n_drop
+            self.raw_kv, self.raw_score = self.raw_kv[:, :keep], self.raw_score[:, :keep]
+
+
+@dataclass
+class AttnContext:
+    """Per-call inputs shared by all layers. freqs_q[c] [B,S,R/2]: query-position phasors of the
+    table of layers with (c=True) or without compression; freqs_anchor[r] [B,N,R/2]: group anchors."""
+
+    layout: AttnLayout
+    state: SharedAttnState
+    freqs_q: dict[bool, torch.Tensor]
+    freqs_anchor: dict[int, torch.Tensor]
+    qat: bool
+    indexer_loss: bool = False
+
+
+def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> torch.Tensor:
+    """KL(p_main || p_index) per query over the entries the indexer selected, mean over queries.
+
+    p_main: the main attention's probabilities at the selected compressed entries (`p_comp_BSHK`,
+    per head, from the full softmax incl. window and sink), summed over heads and renormalised
+    over those entries; no gradient flows into it. p_index = softmax of the indexer scores over
+    the same entries. Only the indexer's parameters receive gradient (its inputs are detached),
+    as in DeepSeek sparse attention. Queries with no selected entry are skipped.
+    """
+    valid_BSK = out.topk_idxs >= 0
+    with torch.no_grad():
+        p_BSK = p_comp_BSHK.detach().sum(2) * valid_BSK
+        mass_BS1 = p_BSK.sum(-1, keepdim=True)
+        target_BSK = p_BSK / mass_BS1.clamp_min(1e-30)
+        row_ok = valid_BSK.any(-1) & (mass_BS1.squeeze(-1) > 0)
+    logits_BSK = out.scores.gather(-1, out.topk_idxs.clamp(min=0))
+    logits_BSK = torch.where(valid_BSK, logits_BSK, -1e30)  # finite: no NaN in backward
+    kl_BS = (torch.xlogy(target_BSK, target_BSK) - target_BSK * F.log_softmax(logits_BSK, -1)).sum(-1)
+    if not bool(row_ok.any()):
+        return kl_BS.sum() * 0.0
+    return kl_BS[row_ok].mean()
+
+
+# ---------------------------------------------------------------------------- the module
+class Attention(nn.Module):
+    """One layer's attention (§3.4). Every layer computes its own q, window KV, attention and output
+    projection; kv sources also own a `compressor`, index sources an `indexer`; Reuse layers read
+    compressed KV and top-k from `SharedAttnState`."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim = args.n_heads, args.head_dim
+        self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
+        self.window_size = args.window_size
+        self.compress_ratio = args.compress_ratio(layer_id)
+        self.softmax_scale = self.head_dim**-0.5
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(args.dim, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, args.norm_eps)
+        self.wo_a = nn.Linear(
+            self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, bias=False
+        )
+        self.wo_b = nn.Linear(self.n_groups * self.o_lora_rank, args.dim, bias=False)
+        self.compressor = Compressor(args, layer_id) if args.is_kv_source(layer_id) else None
+        self.indexer = Indexer(args, layer_id) if args.is_index_source(layer_id) else None
+        self.sparse_attn = sparse_attn_ref
+        if args.impl == "triton":
+            from kernels.sparse_attn import sparse_attn  # chosen at construction (STYLE rule 13)
+
+            self.sparse_attn = sparse_attn
+
+    def forward(self, x_BSD: torch.Tensor, ctx: AttnContext, cache: LayerCache | None = None) -> torch.Tensor:
+        """x = attn_norm output [B,S,D] -> [B,S,D]. Reads/extends `cache` when given."""
+        B, S, _ = x_BSD.shape
+        freqs_BSr = ctx.freqs_q[self.compress_ratio > 0]
+        qr_BSQ = self.q_norm(self.wq_a(x_BSD))
+        q_BSHD = apply_rotary_emb(self.wq_b(qr_BSQ).view(B, S, self.n_heads, self.head_dim), freqs_BSr)
+        kv_BSD = apply_rotary_emb(self.kv_norm(self.wkv(x_BSD)), freqs_BSr)
+        if ctx.qat:  # window KV: FP8 over the whole post-RoPE vector (§3.10)
+            kv_BSD = fp8_fake_quant(kv_BSD)
+        kv_BTD = kv_BSD
+        if cache is not None:
+            if cache.window_kv is not None:
+                kv_BTD = torch.cat([cache.window_kv, kv_BSD], dim=1)
+            keep = min(kv_BTD.size(1), self.window_size - 1 + cache.max_rollback)
+            cache.window_kv = kv_BTD[:, kv_BTD.size(1) - keep :]
+        lay = ctx.layout
+        ckv_BGD = cidx_BSK = index_out = p_comp = None
+        if self.compress_ratio > 0:
+            ckv_BGD, cidx_BSK, index_out = self._compressed(x_BSD, qr_BSQ, freqs_BSr, ctx, cache)
+            ckv_BGD = ckv_BGD.to(kv_BTD.dtype)
+        if self.sparse_attn is sparse_attn_ref:
+            o_BSHD, p_comp = windowed_sparse_attn(
+                q_BSHD, kv_BTD, lay.win_lo, lay.win_idxs, self.attn_sink, self.softmax_scale,
+                ckv_BGD, cidx_BSK,
+            )  # fmt: skip
+        else:  # the fused kernel takes one KV tensor and one index list (§3.4 step 4)
+            kv_all, idxs_BSK = kv_BTD, lay.win_idxs
+            if ckv_BGD is not None:
+                T = kv_BTD.size(1)
+                kv_all = torch.cat([kv_BTD, ckv_BGD], dim=1)
+                idxs_BSK = torch.cat([idxs_BSK, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
+            o_BSHD = self.sparse_attn(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
+            if ctx.indexer_loss and index_out is not None:
+                with torch.no_grad():
+                    probs = sparse_attn_probs_ref(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
+                p_comp = probs[..., lay.win_idxs.size(-1) :]
+        if ctx.indexer_loss and index_out is not None:
+            ctx.state.indexer_losses.append(indexer_alignment_loss(index_out, p_comp))
+        # Remove the query rotation the rope dims of V picked up (cache stays in one rotated form).
+        o_BSHD = apply_rotary_emb(o_BSHD, freqs_BSr, inverse=True)
+        # wo_a is block-diagonal over o_groups: group g projects only its own heads.
+        o_BSGE = o_BSHD.reshape(B, S, self.n_groups, -1)
+        wo_a_GRE = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o_BSGR = torch.einsum("bsge,gre->bsgr", o_BSGE, wo_a_GRE)
+        return self.wo_b(o_BSGR.flatten(2))
+
+    def _compress(self, x_BSD: torch.Tensor, gl: GroupLayout, cache: LayerCache | None) -> torch.Tensor:
+        """New latents [B,N,Dh]; carries the incomplete group's tokens in and out of `cache`."""
+        p = gl.n_pending_before
+        pending = None
+        if cache is not None and p:
+            pending = (cache.raw_kv[:, -p:], cache.raw_score[:, -p:])
+        latent_BND, raw = self.compressor(x_BSD, gl.tok_idx, pending)
+        if cache is not None and raw is not None:
+            keep = gl.ratio - 1 + cache.max_rollback  # what a later call or a rollback may need
+            kv, score = raw
+            if cache.raw_kv is not None:  # raw already starts with the p carried tokens
+                kv = torch.cat([cache.raw_kv[:, : cache.raw_kv.size(1) - p], kv], dim=1)
+                score = torch.cat([cache.raw_score[:, : cache.raw_score.size(1) - p], score], dim=1)
+            cache.raw_kv, cache.raw_score = (
+                kv[:, max(0, kv.size(1) - keep) :],
+                score[:, max(0, kv.size(1) - keep) :],
+            )
+        return latent_BND
+
+    def _compressed(self, x_BSD, qr_BSQ, freqs_BSr, ctx: AttnContext, cache: LayerCache | None):
+        """Compressed KV [B,G,Dh] this layer attends and its top-k group indices [B,S,K]."""
+        r, st, qat = self.compress_ratio, ctx.state, ctx.qat
+        gl = ctx.layout.groups[r]
+        if self.compressor is not None:
+            fa_BNr = ctx.freqs_anchor[r]
+            latent_BND = self._compress(x_BSD, gl, cache)
+            # The indexer consumes the RoPE-free latent; detached so the indexer trains only
+            # through its alignment loss.
+            assert self.indexer is not None
+            if latent_BND.size(1) == 0:  # no group completed in this call (e.g. ratio-2 odd step)
+                k_BND, ckv_BND = (
+                    latent_BND.new_zeros(*latent_BND.shape[:2], self.indexer.head_dim),
+                    latent_BND,
+                )
+            else:
+                k_BND = self.indexer.index_keys(latent_BND.detach(), fa_BNr, qat)
+                ckv_BND = apply_rotary_emb(latent_BND, fa_BNr)  # group j rotates at its anchor position
+                if qat:  # compressed main KV: E2M1 with E4M3 scales per 16, post-RoPE (§3.10)
+                    ckv_BND = fp4_e4m3_fake_quant(ckv_BND)
+            if cache is not None:
+                if cache.compress_kv is not None:
+                    ckv_BND = torch.cat([cache.compress_kv, ckv_BND], dim=1)
+                    k_BND = torch.cat([cache.index_k, k_BND], dim=1)
+                cache.compress_kv, cache.index_k, cache.ratio = ckv_BND, k_BND, r
+            # Published on every call, also when no group completed: a ratio-2 source then scores
+            # its OWN keys, fixing the reference's stale-index_k decode bug (model_reference §3.8).
+            st.compress_kv[r], st.index_k[r] = ckv_BND, k_BND
+        index_out = None
+        if self.indexer is not None:
+            G = st.index_k[r].size(1)
+            if G == 0:
+                st.topk_idxs = torch.full((*x_BSD.shape[:2], 0), -1, dtype=torch.long, device=x_BSD.device)
+            else:
+                index_out = self.indexer(
+                    x_BSD.detach(), qr_BSQ.detach(), st.index_k[r], freqs_BSr, gl.visible, qat=qat,
+                    candidates_BSG=st.candidates, block_id_BG=gl.block_id, n_blocks=gl.n_blocks,
+                    newest_BS=gl.newest,
+                )  # fmt: skip
+                if index_out.candidates is not None:
+                    st.candidates = index_out.candidates
+                st.topk_idxs = index_out.topk_idxs
+        assert st.topk_idxs is not None, f"layer {self.layer_id} runs before any index source"
+        return st.compress_kv[r], st.topk_idxs, index_out

@@ -1,0 +1,123 @@
+"""Rotary position embedding of the language model: YaRN-blended tables and interleaved rotation.
+
+Follows spec §3.3: frequencies `base^(-2i/R)` with the YaRN ramp between `beta_fast` and
+`beta_slow` when `original_seq_len > 0`, and no attention-temperature (mscale) correction.
+Rotation takes adjacent pairs (x[2i], x[2i+1]) as complex numbers (not rotate-half) and is
+out of place, so autograd sees an ordinary function. The ViT's 2D rotate-half RoPE lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model.config import ModelArgs
+
+
+def yarn_low_high(rope_dim: int, original_seq_len: int, base: float, beta_fast: float, beta_slow: float):
+    """The YaRN ramp's pair range (low, high): pairs <= low keep their frequency, pairs >= high are
+    divided by the factor. Released compressed layers (R 64, base 160000, orig 65536): (15, 25)."""
+
+    def corrected_dim(rotations: float) -> float:
+        # the dim whose wavelength completes `rotations` turns over the original context
+        return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corrected_dim(beta_fast)), 0)
+    high = min(math.ceil(corrected_dim(beta_slow)), rope_dim - 1)
+    return low, high
+
+
+def rope_inv_freq(
+    rope_dim: int, original_seq_len: int, base: float, factor: float, beta_fast: float, beta_slow: float
+) -> torch.Tensor:
+    """fp32 [rope_dim/2] angular frequencies, YaRN-blended when original_seq_len > 0.
+
+    The arithmetic (and its order) is the reference's, so tables match it bit for bit.
+    """
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len > 0:
+        low, high = yarn_low_high(rope_dim, original_seq_len, base, beta_fast, beta_slow)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+@lru_cache(maxsize=8)
+def _freqs_cis_cached(
+    rope_dim: int, max_seq_len: int, original_seq_len: int, base: float, factor: float, beta_fast, beta_slow
+) -> torch.Tensor:
+    freqs = rope_inv_freq(rope_dim, original_seq_len, base, factor, beta_fast, beta_slow)
+    angles = torch.outer(torch.arange(max_seq_len), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def precompute_freqs_cis(
+    rope_dim: int,
+    max_seq_len: int,
+    original_seq_len: int,
+    base: float,
+    factor: float,
+    beta_fast: float,
+    beta_slow: float,
+) -> torch.Tensor:
+    """complex64 [max_seq_len, rope_dim/2] unit phasors exp(i·pos·inv_freq) on the CPU.
+
+    Cached per argument tuple (the model builds one table per distinct layer kind); the returned
+    tensor is a fresh clone so callers may move or modify it.
+    """
+    assert rope_dim % 2 == 0, f"rope_dim {rope_dim} must be even"
+    table = _freqs_cis_cached(rope_dim, max_seq_len, original_seq_len, base, factor, beta_fast, beta_slow)
+    return table.clone()
+
+
+def rope_tables_for_layer(args: ModelArgs, layer_id: int) -> torch.Tensor:
+    """The table layer `layer_id` rotates everything with (q, window K, compressed latents, indexer q/k).
+
+    Layers with compress ratio > 0 use `compress_rope_theta` with YaRN; ratio-0 layers (SWA-only
+    layers and the DSpark stages) use `rope_theta` with YaRN off (spec §3.3, trap 2).
+    """
+    if args.compress_ratio(layer_id) > 0:
+        base, original_seq_len = args.compress_rope_theta, args.original_seq_len
+    else:
+        base, original_seq_len = args.rope_theta, 0
+    return precompute_freqs_cis(
+        args.rope_head_dim, args.max_seq_len, original_seq_len, base, args.rope_factor, args.beta_fast,
+        args.beta_slow,
+    )  # fmt: skip
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last R = 2·freqs_cis.size(-1) dims of `x`; any dims before them pass through.
+
+    Broadcasting contract (batch first, sequence second):
+    * x is [B, S, ..., D] with D >= R: dim 1 is the sequence, every dim between it and the last
+      is a head dim (e.g. [B, S, D] for a shared KV head, [B, S, H, D] for query heads).
+    * freqs_cis is [S, R/2] (the same positions for every row) or [B or 1, S, R/2] (per-row
+      positions, e.g. batched decode at different lengths); it is broadcast over the head dims.
+    Pairs (x[2i], x[2i+1]) of the rotated slice are one complex number, multiplied by freqs_cis
+    (its conjugate when `inverse`). Computed in fp32, returned in x's dtype as a new tensor.
+    """
+    rope_dim = 2 * freqs_cis.size(-1)
+    assert x.size(-1) >= rope_dim, f"x last dim {x.size(-1)} < rope dim {rope_dim}"
+    assert x.ndim >= 3, f"x must be [B, S, ..., D], got shape {tuple(x.shape)}"
+    seqlen = x.size(1)
+    if freqs_cis.ndim == 2:
+        assert freqs_cis.size(0) == seqlen, f"freqs_cis has {freqs_cis.size(0)} positions, x has {seqlen}"
+        f = freqs_cis.reshape(1, seqlen, *([1] * (x.ndim - 3)), -1)
+    else:
+        ok = freqs_cis.ndim == 3 and freqs_cis.size(0) in (1, x.size(0)) and freqs_cis.size(1) == seqlen
+        assert ok, f"freqs_cis {tuple(freqs_cis.shape)} does not fit x {tuple(x.shape)}"
+        f = freqs_cis.reshape(freqs_cis.size(0), seqlen, *([1] * (x.ndim - 3)), -1)
+    if inverse:
+        f = f.conj()
+    x_rope = x[..., -rope_dim:]
+    xc = torch.view_as_complex(x_rope.float().contiguous().unflatten(-1, (-1, 2)))
+    y = torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
+    if rope_dim == x.size(-1):
+        return y
+    return torch.cat([x[..., :-rope_dim], y], dim=-1)

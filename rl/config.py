@@ -1,0 +1,152 @@
+"""The typed configuration tree of flashpost jobs.
+
+Hydra composes YAML from `conf/`; the entry points convert it exactly once, with `to_job_config`
+/ `to_factory_config`, into these dataclasses. Below the entry point nothing sees a DictConfig
+and functions receive their own sub-config. Defaults live here, not in YAML; derived values are
+computed in code. This module holds no training logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rl.cluster import ClusterConfig
+
+MODEL_FLAVORS = ("debug", "tiny", "small", "flash")
+TRAINER_KINDS = ("sft", "rl", "opd", "dspark")
+
+
+def _require(value: Any, allowed: tuple, key: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {allowed}; pick one with `{key.split('.')[0]}=<name>`")
+
+
+@dataclass(kw_only=True)
+class ModelChoice:
+    """A named flavor of `model.config.get_flavor` plus field overrides (official ModelArgs names)."""
+
+    flavor: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.flavor, MODEL_FLAVORS, "model.flavor")
+
+    def build_args(self):
+        """The ModelArgs this choice denotes; unknown override keys fail with the list of valid ones."""
+        import dataclasses
+
+        from model.config import get_flavor
+
+        args = get_flavor(self.flavor)
+        known = {f.name for f in dataclasses.fields(args)}
+        unknown = sorted(set(self.overrides) - known)
+        if unknown:
+            raise ValueError(f"model.overrides has unknown ModelArgs fields {unknown}; valid fields: {sorted(known)}")
+        fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in self.overrides.items()}
+        return dataclasses.replace(args, **fixed)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """What the learner optimises and for how long."""
+
+    kind: str = "sft"
+    lr: float = 3e-4
+    max_steps: int = 100
+    micro_batch_tokens: int = 4096
+    global_batch_tokens: int = 16384
+    seed: int = 0
+    zero_stage: int = 0
+    checkpoint_every: int = 50
+
+    def __post_init__(self) -> None:
+        _require(self.kind, TRAINER_KINDS, "trainer.kind")
+        if self.global_batch_tokens % self.micro_batch_tokens:
+            raise ValueError(
+                f"trainer.global_batch_tokens ({self.global_batch_tokens}) must be a multiple of "
+                f"trainer.micro_batch_tokens ({self.micro_batch_tokens})"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"trainer.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How rollout workers sample and how stale their samples may be."""
+
+    n_workers: int = 1
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    group_size: int = 8
+    max_policy_lag: int = 1
+    max_turns: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_policy_lag < 0:
+            raise ValueError("rollout.max_policy_lag must be >= 0 (0 = synchronous)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    """Sandboxes: the hardened limits of every container and how many may run at once."""
+
+    memory_mb: int = 512
+    pids_limit: int = 128
+    cpus: float = 1.0
+    workspace_mb: int = 256
+    max_concurrent: int = 4
+    exec_timeout_s: float = 30.0
+    grading_timeout_s: float = 120.0
+
+
+@dataclass(kw_only=True)
+class SynthConfig:
+    """The environment factory: where repositories come from and how many tasks to build."""
+
+    repo: str = "sample"
+    out_dir: str = "runs/factory"
+    task_budget: int = 20
+    concurrency: int = 2
+    flaky_reruns: int = 3
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Root of `flashpost-train` (conf/train.yaml)."""
+
+    model: ModelChoice = field(default_factory=ModelChoice)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run_dir: str = "runs/default"
+    dry_run: bool = False
+
+
+@dataclass(kw_only=True)
+class FactoryJobConfig:
+    """Root of `flashpost-factory` (conf/factory.yaml)."""
+
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def _convert(cfg: DictConfig, schema: type):
+    merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    return OmegaConf.to_object(merged)
+
+
+def to_job_config(cfg: DictConfig) -> JobConfig:
+    """Hydra's composed config -> JobConfig, validating types and unknown keys."""
+    return _convert(cfg, JobConfig)
+
+
+def to_factory_config(cfg: DictConfig) -> FactoryJobConfig:
+    return _convert(cfg, FactoryJobConfig)

@@ -1,0 +1,117 @@
+"""The main job behind `make demo`, as far as the pipeline exists today.
+
+Stages run in order and resume from their outputs (`rl/stages.py`):
+  sandbox_check  fixture task images are built, each task's gold patch is graded in a fresh
+                 hardened grader container (reward 1) and so is an empty patch (reward 0);
+  model_check    the `tiny` V4.1 model (FP4 QAT, hierarchical indexing on) takes training steps on
+                 chat-rendered fixture sources inside a Ray task; its loss must fall; the weights
+                 are saved as safetensors with the official tensor names.
+The factory, SFT, asynchronous RL, OPD and the report are later stages of the pipeline; the
+demo prints which ones are not built yet rather than pretending. Not here: any training loop
+that outlives this smoke job (that is rl/'s trainers).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rl.config import JobConfig
+from rl.stages import run_stage
+
+NOT_BUILT_YET = (
+    ("factory", "environment factory builds tasks from the sample repository"),
+    ("sft", "SFT of the tiny policy with DSpark on solver demonstrations"),
+    ("rl", "asynchronous RL with rollouts in Docker sandboxes"),
+    ("opd", "on-policy distillation of a smaller student"),
+    ("report", "held-out pass@1 per stage, plots and tokens/s"),
+)
+
+
+def sandbox_check(stage_dir: Path) -> dict:
+    from envs.fixtures.build import fixture_tasks
+    from envs.grading import grade_patch
+
+    results = {}
+    for task in fixture_tasks(build=True):
+        gold = grade_patch(task, task.gold_patch)
+        empty = grade_patch(task, "")
+        results[task.task_id] = {"gold": gold.reward, "empty": empty.reward, "grade_s": round(gold.duration_s, 2)}
+        print(f"  {task.task_id}: gold patch → {gold.reward:.0f}, empty patch → {empty.reward:.0f} "
+              f"({gold.duration_s:.1f} s per grading)")
+        if gold.reward != 1.0 or empty.reward != 0.0:
+            raise RuntimeError(f"grading is broken on {task.task_id}: gold {gold.reason!r}, empty {empty.reason!r}")
+    return results
+
+
+def _training_text() -> list[str]:
+    from envs.fixtures.build import repo_files
+
+    return [body.decode(errors="replace") for name, body in repo_files().items() if name.endswith(".py")]
+
+
+def train_tiny(flavor: str, steps: int, seq_len: int, lr: float, out_path: str) -> dict:
+    """A few AdamW steps of a flavor on chat-rendered fixture sources; runs inside a Ray task."""
+    import torch
+    from tqdm import tqdm
+
+    from model.chat_template import ChatTemplate
+    from model.checkpoint import save_checkpoint
+    from model.config import get_flavor
+    from model.tokenizer import Tokenizer
+    from model.transformer import Transformer
+
+    torch.manual_seed(0)
+    args = get_flavor(flavor)
+    tok = Tokenizer.default()
+    template = ChatTemplate(tok)
+    ids, mask = [], []
+    for text in _training_text():
+        chat = template.render([{"role": "user", "content": "Show me a module."},
+                                {"role": "assistant", "content": text}])
+        ids += chat.token_ids
+        mask += chat.loss_mask
+    ids_t = torch.tensor(ids[: (len(ids) // seq_len) * seq_len]).view(-1, seq_len)
+    mask_t = torch.tensor(mask[: ids_t.numel()]).view(-1, seq_len)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses, n_tokens, t0 = [], 0, time.perf_counter()
+    for step in tqdm(range(steps), desc=f"{flavor} steps", unit="step"):
+        row = step % ids_t.size(0)
+        x, m = ids_t[row : row + 1], mask_t[row : row + 1]
+        out = model(x)
+        logp = torch.log_softmax(out.logits[:, :-1], -1)
+        nll = -logp.gather(-1, x[:, 1:, None]).squeeze(-1)
+        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum().clamp(min=1) + out.indexer_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        n_tokens += x.numel()
+    seconds = time.perf_counter() - t0
+    save_checkpoint(model, out_path)
+    k = max(1, steps // 5)
+    return {"flavor": flavor, "steps": steps, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k,
+            "tokens_per_s": n_tokens / seconds, "checkpoint": out_path, "n_rows": int(ids_t.size(0))}
+
+
+def model_check(stage_dir: Path) -> dict:
+    import ray
+
+    task = ray.remote(num_cpus=1)(train_tiny)
+    summary = ray.get(task.remote("tiny", 40, 256, 2e-3, str((stage_dir / "tiny.safetensors").resolve())))
+    print(f"  tiny: loss {summary['first_loss']:.3f} → {summary['last_loss']:.3f} over {summary['steps']} steps, "
+          f"{summary['tokens_per_s']:.0f} tokens/s; weights in {summary['checkpoint']}")
+    if not summary["last_loss"] < summary["first_loss"]:
+        raise RuntimeError(f"the tiny model's loss did not fall: {summary}")
+    return summary
+
+
+def run_demo(job: JobConfig, run_dir: Path) -> None:
+    print(f"[demo] run folder: {run_dir.resolve()}")
+    run_stage(run_dir, "sandbox_check", sandbox_check)
+    run_stage(run_dir, "model_check", model_check)
+    print("[demo] stages of the full pipeline not built yet:")
+    for name, what in NOT_BUILT_YET:
+        print(f"  - {name}: {what}")

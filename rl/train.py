@@ -1,0 +1,46 @@
+"""flashpost-train: the Hydra entry point of every training job.
+
+Launch:
+    flashpost-train experiment=demo                        # the embedded demo (what `make demo` runs)
+    flashpost-train model=small trainer=sft cluster=h200   # one H200
+    flashpost-train model=small trainer=rl cluster=ray_cluster   # a Ray cluster (infra/ray/)
+    flashpost-train ... dry_run=true                       # validate and print the resolved config
+
+This file only sequences: compose → typed config → run folder → Ray → job → cleanup.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from rl.cluster import apply_local_env, shutdown, start_or_join
+from rl.config import to_job_config
+from rl.stages import record_run
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    job = to_job_config(cfg)
+    resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    if job.dry_run:
+        print(resolved)
+        job.model.build_args()  # cross-field checks of the model config run here
+        print("[flashpost] dry run: configuration is valid")
+        return
+    run_dir = Path(job.run_dir)
+    record_run(run_dir, resolved)
+    apply_local_env()
+    handle = start_or_join(job.cluster)
+    try:
+        from rl.demo import run_demo
+
+        run_demo(job, run_dir)
+    finally:
+        shutdown(handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Fixtures for the Docker-backed env tests: a live engine, the base image, and a leak check.
+
+Tests that need the engine use `engine_ready`; it skips them (with the reason) only when no
+engine answers. At the end of the session it asserts that no container labelled with this
+process as owner is left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from envs import engine
+
+
+@pytest.fixture(scope="session")
+def engine_ready():
+    if not engine.engine_available():
+        pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
+    tag = engine.ensure_base_image(build=True)
+    yield tag
+    left = engine.list_containers({engine.LABEL_OWNER: engine.owner_id()})
+    engine.reap_containers({engine.LABEL_OWNER: engine.owner_id()})
+    assert not left, f"containers leaked by this test session: {[c['Id'][:12] for c in left]}"
+
+
+@pytest.fixture(scope="session")
+def base_image(engine_ready) -> str:
+    return engine_ready

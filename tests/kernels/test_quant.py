@@ -1,0 +1,177 @@
+"""Bit-exact parity of the Triton quantisers (kernels/quant.py) with the torch references (model/quant.py).
+
+On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set here before triton is imported);
+with a GPU the `gpu`-marked variants run compiled on CUDA (`pytest -m gpu`).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import quant as kq  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+FAKE = {
+    "fp8": (kq.fp8_fake_quant, kq.fp8_fake_quant_ref, 32),
+    "fp4_e4m3": (kq.fp4_e4m3_fake_quant, kq.fp4_e4m3_fake_quant_ref, 16),
+    "mxfp4": (kq.mxfp4_fake_quant, kq.mxfp4_fake_quant_ref, 32),
+}
+PACK = {
+    "fp8": (kq.FMT_FP8, kq.quantize_fp8_packed, kq.quantize_fp8_ref, 32),
+    "fp4_e4m3": (kq.FMT_FP4_E4M3, kq.quantize_fp4_e4m3_packed, kq.quantize_fp4_e4m3_ref, 16),
+    "mxfp4": (kq.FMT_MXFP4, kq.quantize_mxfp4_packed, kq.quantize_mxfp4_ref, 32),
+}
+
+
+def _wide_range(shape, dtype, device, seed=0) -> torch.Tensor:
+    """Gaussian rows spanning 1e-30 .. 1e4 in magnitude, some all-zero and some tiny groups."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    rows = x.view(-1, shape[-1])
+    rows *= torch.logspace(-30, 4, rows.size(0))[:, None]
+    rows[0] = 0.0
+    if rows.size(0) > 2:
+        rows[1, : shape[-1] // 2] = -0.0
+    return x.to(dtype).to(device)
+
+
+def _ties(block: int, fmt: str, device) -> torch.Tensor:
+    """Groups whose elements sit exactly on rounding ties (and sub-normal e4m3 ties) of each format."""
+    if fmt == "fp8":
+        # scale 1 (amax 448): midpoints between e4m3 neighbours, normal and subnormal
+        vals = [448.0, 1.0625, 1.1875, -1.0625, 3.0 * 2**-10, 2**-10, -(2**-10), 5 * 2**-10, 240.0 + 8]
+        vals += [2**-6 - 2**-10, 0.0, -0.0, 17.0, 19.0, 2**-7 * 1.0625, 2**-7 * 1.1875]
+    else:
+        # amax 6 -> scale 1 for both FP4 formats; the E2M1 ties and their negatives
+        vals = [
+            6.0,
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            -0.25,
+            -0.75,
+            -1.25,
+            -1.75,
+            -2.5,
+            -3.5,
+            -5.0,
+            -0.0,
+        ]
+    vals = (vals * block)[:block]
+    base = torch.tensor(vals, dtype=torch.float32)
+    # the same pattern at several power-of-two magnitudes (scale moves, ties stay ties)
+    groups = [base * 2.0**k for k in (-20, -8, -3, 0, 5, 17)]
+    return torch.stack(groups).to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(FAKE))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 96), (257, 32)])
+def test_fake_quant_bit_exact(device, fmt, dtype, shape):
+    tri, ref, _ = FAKE[fmt]
+    if dtype == torch.float16:
+        x = _wide_range(shape, torch.float32, device).clamp(-6e4, 6e4).to(dtype)
+    else:
+        x = _wide_range(shape, dtype, device)
+    y = tri(x)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(y, ref(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(FAKE))
+def test_fake_quant_ties(device, fmt):
+    tri, ref, block = FAKE[fmt]
+    x = _ties(block, fmt, device)
+    assert torch.equal(tri(x), ref(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(FAKE))
+def test_fake_quant_all_bf16_values(device, fmt):
+    """Every finite bf16 bit pattern, shuffled into groups (covers all exponent/mantissa corners)."""
+    tri, ref, block = FAKE[fmt]
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))]
+    x = x[: x.numel() // block * block].view(-1, block).to(device)
+    assert torch.equal(tri(x), ref(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fake_quant_straight_through(device):
+    x = _wide_range((4, 64), torch.bfloat16, device).requires_grad_()
+    g = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
+    for tri, ref, _ in FAKE.values():
+        y = tri(x)
+        assert torch.equal(y, ref(x.detach()))
+        (gx,) = torch.autograd.grad(y, x, g)
+        assert torch.equal(gx, g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(PACK))
+@pytest.mark.parametrize("shape,strided", [((4, 64), False), ((3, 2, 128), True), ((129, 32), None)])
+def test_quantize_pack_bit_exact(device, fmt, shape, strided, monkeypatch):
+    monkeypatch.setitem(kq.CONFIG, "strided", strided)  # both even/odd paths of the fp4 pack (None: auto)
+    code, tri, ref, block = PACK[fmt]
+    x = torch.cat([_wide_range(shape, torch.bfloat16, device).view(-1, shape[-1])])
+    x = x.view(shape)
+    q, s = tri(x)
+    rq, rs = ref(x)
+    assert s.dtype == torch.uint8 and s.shape == rs.shape
+    assert torch.equal(kq.scale_bytes_to_float(s, code), rs)
+    if code == kq.FMT_FP8:
+        assert torch.equal(q, rq.view(torch.uint8))
+        y_ref = kq.dequantize_fp8_ref(rq, rs, torch.bfloat16)
+        y = kq.dequantize_fp8_packed(q, s)
+    else:
+        assert q.shape == (*shape[:-1], shape[-1] // 2)
+        assert torch.equal(q, kq.pack_e2m1_ref(rq))
+        assert torch.equal(kq.unpack_e2m1_ref(q), rq)
+        y_ref = kq.dequantize_fp4_ref(rq, rs, torch.bfloat16)
+        y = kq.dequantize_fp4_packed(q, s, "e4m3" if code == kq.FMT_FP4_E4M3 else "ue8m0")
+    assert torch.equal(y, y_ref)
+    # the packed round trip is the fake quant, bit for bit
+    assert torch.equal(y, FAKE[fmt][1](x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(PACK))
+def test_quantize_pack_ties(device, fmt):
+    code, tri, ref, block = PACK[fmt]
+    x = _ties(block, fmt, device)
+    q, s = tri(x)
+    rq, rs = ref(x)
+    assert torch.equal(kq.scale_bytes_to_float(s, code), rs)
+    assert torch.equal(q, rq.view(torch.uint8) if code == kq.FMT_FP8 else kq.pack_e2m1_ref(rq))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_byte_layout(device):
+    """Stored scale bytes are the e4m3fn bit pattern / the UE8M0 biased exponent."""
+    x = torch.full((1, 32), 3.0, dtype=torch.bfloat16, device=device)
+    _, s8 = kq.quantize_fp8_packed(x)  # amax 3 -> 3/448 -> 2^-7 -> byte 120
+    assert s8.tolist() == [[120]]
+    _, s4 = kq.quantize_fp4_e4m3_packed(x)  # 3/6 = 0.5 -> e4m3 0x30
+    assert s4.tolist() == [[0x30, 0x30]]
+    q, smx = kq.quantize_mxfp4_packed(x)  # 3/6 -> 2^-1 -> byte 126; 3/0.5 = 6 -> code 7 -> 0x77
+    assert smx.tolist() == [[126]] and q.unique().tolist() == [0x77]

@@ -1,0 +1,142 @@
+"""Indexer: the deterministic top-k tie rule, candidate blocks (pinning, -inf drop) and scoring."""
+
+import torch
+import torch.nn.functional as F
+
+from model.attention import build_incremental_layout, build_packed_layout
+from model.config import get_flavor
+from model.indexer import Indexer, select_candidate_blocks, topk_indices
+
+
+def test_topk_all_zero_scores_newest_positions_win():
+    vals, idx = topk_indices(torch.zeros(3, 10), 4)
+    assert idx.tolist() == [[9, 8, 7, 6]] * 3
+    assert (vals == 0).all()
+
+
+def test_topk_ties_break_to_larger_position_and_scores_still_rule():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 2.0])
+    _, idx = topk_indices(scores, 4)
+    assert idx.tolist() == [5, 2, 0, 4]
+
+
+def test_topk_k_larger_than_n_and_neg_inf_last():
+    scores = torch.tensor([[-torch.inf, 3.0, -torch.inf]])
+    vals, idx = topk_indices(scores, 8)
+    assert idx.tolist() == [[1, 2, 0]]
+    assert vals[0, 0] == 3 and torch.isinf(vals[0, 1:]).all()
+
+
+def _reference_candidates(logits, compress_lens, topk_blocks, block_size):
+    """model_reference §3.7 written directly (contiguous blocks), with distinct scores."""
+    width = logits.size(-1)
+    scores = F.pad(logits, (0, -width % block_size), value=-torch.inf)
+    scores = scores.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    nb = scores.size(-1)
+    last = (compress_lens - 1) // block_size
+    scores = scores.masked_fill((torch.arange(nb) == last) & (compress_lens > 0), torch.inf)
+    top = scores.topk(min(topk_blocks, nb), dim=-1)
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def test_candidate_blocks_match_reference_on_distinct_scores():
+    torch.manual_seed(0)
+    G, bs = 23, 4
+    S = G
+    lens = (torch.arange(S) + 1).unsqueeze(-1)  # query s sees groups < s+1
+    logits = torch.randn(2, S, G).masked_fill(torch.arange(G) >= lens, -torch.inf)
+    block_id = (torch.arange(G) // bs).expand(2, G)
+    newest = (lens.squeeze(-1) - 1).expand(2, S)
+    for topk_blocks in (1, 2, 3, 10):
+        got = select_candidate_blocks(logits, block_id, -(-G // bs), newest, topk_blocks)
+        want = _reference_candidates(logits, lens, topk_blocks, bs)
+        assert torch.equal(got, want), topk_blocks
+
+
+def test_candidate_blocks_pin_newest_and_drop_unreachable():
+    # 10 groups, blocks [0-3] [4-7] [8-9]; query sees groups 0..8 (newest 8, in the partial block 2)
+    scores = torch.full((1, 2, 10), -torch.inf)
+    scores[0, 0, :9] = torch.tensor([5.0, 0, 0, 0, 1, 1, 1, 1, -3])
+    scores[0, 1, :2] = torch.tensor([0.5, 0.1])  # second query sees only groups 0, 1
+    block_id = (torch.arange(10) // 4).unsqueeze(0)
+    newest = torch.tensor([[8, 1]])
+    keep = select_candidate_blocks(scores, block_id, 3, newest, topk_blocks=2)
+    # query 0: pinned block 2 (score -3 would lose) + best block 0; block 1 (score 1) dropped
+    assert keep[0, 0].tolist() == [True] * 4 + [False] * 4 + [True] * 2
+    # query 1: only block 0 reachable; the second pick is -inf and is dropped
+    assert keep[0, 1].tolist() == [True] * 4 + [False] * 6
+
+
+def test_candidate_blocks_restart_per_document():
+    # docs of 6 and 5 tokens, ratio 1, blocks of 4: the second doc's blocks start at its first group
+    doc = torch.tensor([[0] * 6 + [1] * 5])
+    gl = build_packed_layout(doc, 4, (1,), 4).groups[1]
+    assert gl.block_id[0].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    assert gl.newest[0].tolist() == list(range(6)) + list(range(6, 11))
+
+
+def _indexer(layer_id=None, **over):
+    args = get_flavor("debug", **over)
+    layer_id = args.kv_source_layers[0] if layer_id is None else layer_id
+    torch.manual_seed(0)
+    idx = Indexer(args, layer_id)
+    for p in idx.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return args, idx
+
+
+def _inputs(args, B, S, G):
+    """x, qr, index keys and identity rope phasors for a direct Indexer call."""
+    return (
+        torch.randn(B, S, args.dim),
+        torch.randn(B, S, args.q_lora_rank),
+        torch.randn(B, G, args.index_head_dim),
+        torch.ones(B, S, args.rope_head_dim // 2, dtype=torch.complex64),
+    )
+
+
+def test_indexer_scores_follow_relu_weighted_formula():
+    args, idx = _indexer()
+    B, S, G = 2, 5, 7
+    x = torch.randn(B, S, args.dim)
+    qr = torch.randn(B, S, args.q_lora_rank)
+    k = torch.randn(B, G, args.index_head_dim)
+    freqs = torch.polar(torch.ones(B, S, args.rope_head_dim // 2), torch.rand(B, S, args.rope_head_dim // 2))
+    got = idx.scores(x, qr, k, freqs, qat=False)
+    from model.rope import apply_rotary_emb
+
+    q = apply_rotary_emb(idx.wq_b(qr).view(B, S, args.index_n_heads, args.index_head_dim), freqs)
+    w = idx.weights_proj(x) * args.index_head_dim**-0.5 * args.index_n_heads**-0.5
+    want = torch.zeros(B, S, G)
+    for h in range(args.index_n_heads):
+        want += (q[:, :, h] @ k.transpose(1, 2)).relu() * w[:, :, h, None]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_all_zero_scores_select_newest_visible_groups():
+    args, idx = _indexer()
+    torch.nn.init.zeros_(idx.wq_b.weight)  # every score is relu(0) * w = 0: all ties
+    B, S, G = 1, 12, 12
+    gl = build_incremental_layout(B, 0, S, args.window_size, 0, (1,), 4, torch.device("cpu")).groups[1]
+    out = idx(*_inputs(args, B, S, G), gl.visible, qat=True)
+    k = args.index_topk
+    for s in range(S):
+        want = sorted(range(max(0, s + 1 - k), s + 1))
+        row = out.topk_idxs[0, s].tolist()
+        assert [i for i in row if i >= 0] == want, (s, row)
+        assert row.count(-1) == k - len(want)
+
+
+def test_reindex_layer_scores_only_inside_candidates():
+    args = get_flavor("debug")
+    reindex = [i for i in range(args.n_layers) if args.layer_role(i) == "reindex"][0]
+    _, idx = _indexer(reindex)
+    assert idx.uses_candidates and not idx.owns_k
+    B, S, G = 1, 6, 6
+    visible = torch.ones(B, S, G, dtype=torch.bool)
+    cand = torch.zeros(B, S, G, dtype=torch.bool)
+    cand[..., 1] = cand[..., 4] = True
+    out = idx(*_inputs(args, B, S, G), visible, qat=False, candidates_BSG=cand)
+    for s in range(S):
+        assert sorted(i for i in out.topk_idxs[0, s].tolist() if i >= 0) == [1, 4]

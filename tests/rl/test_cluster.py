@@ -1,0 +1,71 @@
+"""A local Ray instance round-trips a task and keeps every socket on loopback."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import psutil
+import pytest
+
+from rl.cluster import ClusterConfig, shutdown, start_or_join
+
+pytestmark = pytest.mark.ray
+
+ALL_INTERFACES = {"0.0.0.0", "::"}
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _ray_pids() -> set[int]:
+    """This test process and every process it spawned (Ray's daemons and workers)."""
+    me = psutil.Process()
+    return {me.pid} | {p.pid for p in me.children(recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    handle = start_or_join(ClusterConfig(num_cpus=2, include_dashboard=True), quiet=True)
+    yield handle
+    shutdown(handle)
+
+
+def test_task_round_trip_and_dashboard_on_loopback(ray_local):
+    import ray
+
+    @ray.remote
+    def square(x: int) -> int:
+        return x * x
+
+    assert ray.get([square.remote(i) for i in range(8)]) == [i * i for i in range(8)]
+    assert ray_local.started_here
+    assert ray_local.dashboard_url is not None and "127.0.0.1" in ray_local.dashboard_url
+    assert ray_local.address.startswith("127.0.0.1:")
+
+
+def test_every_ray_socket_is_loopback(ray_local):
+    import ray
+
+    @ray.remote
+    class Echo:
+        def ping(self, x):
+            return x
+
+    echo = Echo.remote()
+    assert ray.get(echo.ping.remote("x")) == "x"
+    pids = _ray_pids()
+    assert len(pids) > 3, "expected Ray daemons (gcs_server, raylet, workers) among our children"
+    checked = 0
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.pid not in pids:
+            continue
+        checked += 1
+        local_ip = conn.laddr.ip
+        assert _is_loopback(local_ip) or local_ip in ALL_INTERFACES, f"pid {conn.pid} bound {conn.laddr}"
+        if conn.raddr:
+            assert _is_loopback(conn.raddr.ip), f"pid {conn.pid} dialled {conn.raddr}"
+    assert checked > 0, "no Ray sockets were found to check"

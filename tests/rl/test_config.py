@@ -1,0 +1,74 @@
+"""Every combination of conf/ groups composes and converts to the typed config tree."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rl.config import FactoryJobConfig, JobConfig, to_factory_config, to_job_config
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides, return_hydra_config=False)
+
+
+def test_groups_exist():
+    for group in ("model", "trainer", "rollout", "env", "cluster", "synth", "experiment"):
+        assert _options(group), f"conf/{group}/ has no options"
+
+
+@pytest.mark.parametrize(
+    "model,trainer,env,cluster",
+    list(itertools.product(_options("model"), _options("trainer"), _options("env"), _options("cluster"))),
+)
+def test_train_combination_converts(model, trainer, env, cluster):
+    cfg = _compose("train", [f"model={model}", f"trainer={trainer}", f"env={env}", f"cluster={cluster}"])
+    job = to_job_config(cfg)
+    assert isinstance(job, JobConfig)
+    assert job.model.flavor == model and job.trainer.kind == trainer
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_experiments_convert(experiment):
+    job = to_job_config(_compose("train", [f"experiment={experiment}"]))
+    assert isinstance(job, JobConfig)
+
+
+def test_factory_converts():
+    assert isinstance(to_factory_config(_compose("factory", [])), FactoryJobConfig)
+
+
+def test_unknown_key_is_rejected_with_its_name():
+    cfg = _compose("train", [])
+    OmegaConf.set_struct(cfg, False)
+    cfg.trainer.learning_rate = 1.0
+    with pytest.raises(Exception, match="learning_rate"):
+        to_job_config(cfg)
+
+
+def test_bad_choice_names_the_field():
+    cfg = _compose("train", ["trainer.kind=ppo"])
+    with pytest.raises(ValueError, match="trainer.kind"):
+        to_job_config(cfg)
+
+
+def test_model_flavors_build_args():
+    pytest.importorskip("model.config")
+    for flavor in _options("model"):
+        job = to_job_config(_compose("train", [f"model={flavor}"]))
+        args = job.model.build_args()
+        assert args.n_layers > 0
+    job = to_job_config(_compose("train", ["model=debug", "+model.overrides.not_a_field=3"]))
+    with pytest.raises(ValueError, match="not_a_field"):
+        job.model.build_args()
