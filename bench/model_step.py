@@ -62,6 +62,21 @@ def flops_per_token(model: Transformer, seqlen: int) -> float:
     return 6 * active_params(model) + 12 * attn + 6 * index
 
 
+def random_engram_inputs(args: ModelArgs, batch: int, seqlen: int, device: torch.device) -> dict | None:
+    """Uniform bucket ids per Engram hash column, in range for each column's table slice: the lookup
+    costs what real hashes cost, without a tokenizer of the flavor's vocabulary (small/flash have none)."""
+    if not args.engram_layer_ids:
+        return None
+    from model.engram import engram_layout
+
+    layout = engram_layout(args)
+    cols = []
+    for layer_offsets, layer_primes in zip(layout.offsets, layout.primes):
+        flat = [p for order in layer_primes for p in order]
+        cols.append(torch.stack([torch.randint(0, p, (batch, seqlen)) + o for p, o in zip(flat, layer_offsets)], -1))
+    return {"hashes": torch.stack(cols, dim=2).to(device), "engram_mask": None}
+
+
 def peak_flops(device: torch.device, override: float | None) -> float | None:
     if override:
         return override * 1e12
@@ -82,9 +97,10 @@ def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, seqlen
     model.init_weights()
     model.to(device)
     ids = torch.randint(0, args.vocab_size, (batch, seqlen + 1), device=device)
+    engram_inputs = random_engram_inputs(args, batch, seqlen, device)
 
     def step():
-        out = model(ids[:, :-1])
+        out = model(ids[:, :-1], engram_inputs=engram_inputs)
         loss = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten()) + out.indexer_loss
         loss.backward()
         model.zero_grad(set_to_none=True)

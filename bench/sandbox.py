@@ -27,7 +27,8 @@ from envs.task import Task
 
 
 def emit(metric: str, **fields) -> None:
-    print(json.dumps({"metric": metric, **fields}), flush=True)
+    # The 1-minute load average tells whether other work shared the machine during a measurement.
+    print(json.dumps({"metric": metric, **fields, "loadavg_1m": round(os.getloadavg()[0], 1)}), flush=True)
 
 
 def pcts(xs: list[float]) -> dict:
@@ -85,7 +86,7 @@ def bench_grading(task: Task, n: int) -> None:
 def bench_grading_throughput(tasks: list[Task], graders_per_image: int, n: int) -> None:
     """Gradings per minute with warm pools, `graders_per_image` concurrent graders per image."""
     workers = graders_per_image * len(tasks)
-    with GraderPool(max_graders=workers, max_idle_per_image=graders_per_image) as pool:
+    with GraderPool(max_graders=workers, graders_per_image=graders_per_image) as pool:
         for task in tasks:
             pool.warm(task.image, graders_per_image)
         t0 = time.monotonic()
@@ -109,7 +110,7 @@ def episode(pool: SandboxPool, graders: GraderPool, task: Task) -> float:
 
 def bench_episodes(tasks: list[Task], concurrency: int, n_episodes: int) -> None:
     pool = SandboxPool(max_concurrent=concurrency, reap_stale=False)
-    with GraderPool(max_graders=concurrency, max_idle_per_image=concurrency) as graders:
+    with GraderPool(max_graders=concurrency, graders_per_image=2, wait_s=60) as graders:
         t0 = time.monotonic()
         with ThreadPoolExecutor(concurrency) as ex:
             rewards = list(ex.map(lambda i: episode(pool, graders, tasks[i % len(tasks)]), range(n_episodes)))

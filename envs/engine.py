@@ -293,6 +293,10 @@ def put_archive(container_id: str, path: str, data: bytes) -> None:
         ok = client().api.put_archive(container_id, path, data)
     except docker.errors.NotFound as e:
         raise PathNotFound(f"{path} (in container {container_id[:12]})") from e
+    except docker.errors.APIError as e:
+        if "read-only" in str(e):
+            raise PermissionError(f"{path} is on the read-only root (in container {container_id[:12]})") from e
+        raise
     if not ok:
         raise RuntimeError(f"put_archive to {path} in {container_id[:12]} failed")
 
@@ -426,22 +430,6 @@ def _is_stale(labels: dict[str, str], host: str, now: float) -> bool:
 
 
 # ------------------------------------------------------------------------------ tar helpers
-
-
-def tar_digest(data: bytes) -> str:
-    """Content hash of a tar: names, types, modes, owners, link targets and file bytes (not
-    mtimes), in name order. Two trees with equal digests are the same for code that runs there."""
-    h = hashlib.sha256()
-    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-        members = sorted(tf.getmembers(), key=lambda m: m.name.lstrip("./"))
-        for m in members:
-            name = m.name.lstrip("./") or "."
-            h.update(f"{name}\0{m.type!r}\0{m.mode:o}\0{m.uid}\0{m.gid}\0{m.linkname}\0{m.size}\0".encode())
-            if m.isfile():
-                f = tf.extractfile(m)
-                assert f is not None
-                h.update(hashlib.sha256(f.read()).digest())
-    return h.hexdigest()
 
 
 def tar_files(files: dict[str, bytes], *, uid: int = 1000, gid: int = 1000, mode: int = 0o644) -> bytes:

@@ -102,14 +102,14 @@ def extract_patch(sb: Sandbox, task: Task, timeout: float = 60.0) -> str:
     return sb.read_file("/tmp/.flashpost.diff").decode("utf-8", "surrogateescape")
 
 
-def test_paths(task: Task) -> list[str]:
+def task_test_paths(task: Task) -> list[str]:
     return sorted({tid.split("::")[0] for tid in task.test_ids})
 
 
 def run_job(grader: GraderSandbox, task: Task, patch: str, timeout_s: float) -> dict:
     """One grading by the grader's resident runner: {"result", "junit", "console"}."""
     job = {"patch": patch, "test_patch": task.test_patch, "test_files": task.test_files,
-           "base_revision": task.base_revision, "test_paths": test_paths(task), "timeout_s": timeout_s}
+           "base_revision": task.base_revision, "test_paths": task_test_paths(task), "timeout_s": timeout_s}
     return grader.request({"cmd": "grade", "job": job}, timeout=timeout_s + 30)
 
 

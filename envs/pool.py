@@ -114,18 +114,21 @@ class GraderSandbox(Sandbox):
 class GraderPool:
     """Warm pristine graders per image; `with pool.grader(image) as g:` lends one exclusively.
 
-    At most max_graders are busy or resetting at once; up to max_idle_per_image wait warm.
+    At most max_graders are busy or resetting at once. Each image keeps up to
+    graders_per_image; when all of them are busy a request waits (up to wait_s) for one to come
+    back, since a reset (~0.03 s) is far cheaper than starting a new grader (~0.8 s).
     Resets run on background threads so a grading returns as soon as its tests are done.
     """
 
-    def __init__(self, *, max_graders: int = 8, max_idle_per_image: int = 4,
+    def __init__(self, *, max_graders: int = 8, graders_per_image: int = 4, wait_s: float = 2.0,
                  limits: SandboxLimits = GRADER_LIMITS, reset_workers: int = 2):
         self.limits = limits
-        self.max_idle_per_image = max_idle_per_image
+        self.graders_per_image = graders_per_image
+        self.wait_s = wait_s
         self._sem = threading.BoundedSemaphore(max_graders)
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
-        self._resetting: dict[str, int] = defaultdict(int)
+        self._active: dict[str, int] = defaultdict(int)  # existing graders of an image not idle
         self._idle: dict[str, list[GraderSandbox]] = defaultdict(list)
         self._pristine: dict[str, dict[str, str]] = {}
         self._resetter = ThreadPoolExecutor(reset_workers, thread_name_prefix="grader-reset")
@@ -148,24 +151,26 @@ class GraderPool:
         try:
             g = self._take(image) or self._create(image)
             yield g
-        except BaseException:
+        except BaseException:  # a lost grader (or a failed start) is removed, never reused
             if g is not None:
                 g.close()
+            with self._lock:
+                self._active[image] -= 1
+                self._returned.notify_all()
             self._sem.release()
             raise
-        with self._lock:
-            self._resetting[image] += 1
         self._resetter.submit(self._recycle, g, image)
 
-    def _take(self, image: str, wait_s: float = 2.0) -> GraderSandbox | None:
-        """An idle grader, waiting up to wait_s for one being reset (cheaper than a new one)."""
-        deadline = time.monotonic() + wait_s
+    def _take(self, image: str) -> GraderSandbox | None:
+        """An idle grader of image, or None to create one. Counts the grader as active."""
+        deadline = time.monotonic() + self.wait_s
         with self._returned:
-            while not self._idle[image] and self._resetting[image] > 0:
+            while not self._idle[image] and self._active[image] >= self.graders_per_image:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._returned.wait(left)
+            self._active[image] += 1
             if self._idle[image]:
                 self.stats["reused"] += 1
                 return self._idle[image].pop()
@@ -199,10 +204,10 @@ class GraderPool:
             ok = False
         with self._lock:
             self.stats["reset_ok" if ok else "reset_failed"] += 1
-            keep = ok and len(self._idle[image]) < self.max_idle_per_image
+            keep = ok and len(self._idle[image]) + self._active[image] <= self.graders_per_image
             if keep:
                 self._idle[image].append(g)
-            self._resetting[image] -= 1
+            self._active[image] -= 1
             self._returned.notify_all()
         if not keep:
             g.close()

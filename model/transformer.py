@@ -3,15 +3,19 @@
 Two entry points over the same modules: `Transformer.forward` (teacher-forced training over packed
 rows, logits at every position, router stats, indexer alignment loss) and
 `Transformer.forward_incremental` (any number of new tokens at any `start_pos`, with `ModelCache`).
-Layers share compressed KV / top-k through an explicit per-call `SharedAttnState`.
-Not here: Engram, DSpark stages and vision (hooks only), checkpoint I/O, parallelism.
+Layers share compressed KV / top-k through an explicit per-call `SharedAttnState`. Engram layers
+(`layers.{i}.engram`) read hash ids made once per call; the DSpark drafter (`mtp.*`, model/dspark.py)
+is reached through `draft_teacher_forced` / `draft_step` on detached backbone features.
+Images enter through `images` + `token_types` (ViT and aligner in model/vision.py).
+Not here: the Engram hash, DSpark and ViT internals (their modules), checkpoint I/O, parallelism.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,10 +30,15 @@ from model.attention import (
     build_packed_layout,
 )
 from model.config import ModelArgs
+from model.engram import Engram, EngramHasher
 from model.mhc import hc_coefficients, hc_post, hc_pre, identity_pre_mix, init_hc_params
 from model.moe import MoE, RouterStats
 from model.norm import RMSNorm
 from model.rope import precompute_freqs_cis
+from model.vision import DELIMITER_NAMES, Aligner, ViT, embed_images
+
+if TYPE_CHECKING:
+    from model.dspark import DraftOutput, DraftStep, DSparkCache, Markov
 
 # Trainable-looking parameters that gradient descent never updates, by name suffix: the MoE
 # selection biases only pick experts (their values are set by `update_expert_bias`, aux-loss-free
@@ -60,6 +69,10 @@ class ModelCache:
     max_rollback: int = 0
     layers: list[LayerCache] = field(default_factory=list)
     seq_len: int = 0
+    # the newest tokens (Engram n-grams reach max_ngram-1 back), kept when the model hashes itself
+    recent_ids: torch.Tensor | None = None
+    # the DSpark drafter's context window (allocated by Transformer.draft_step)
+    dspark: DSparkCache | None = None
 
     def truncate(self, new_len: int) -> None:
         """Roll back to the first `new_len` tokens (seq_len - max_rollback <= new_len <= seq_len)."""
@@ -68,6 +81,10 @@ class ModelCache:
             raise ValueError(f"cannot truncate {self.seq_len} -> {new_len} (max_rollback {self.max_rollback})")
         for layer in self.layers:
             layer.truncate(n_drop, new_len)
+        if self.recent_ids is not None:
+            self.recent_ids = self.recent_ids[:, : self.recent_ids.size(1) - n_drop]
+        if self.dspark is not None:
+            self.dspark.truncate(new_len)
         self.seq_len = new_len
 
 
@@ -77,7 +94,8 @@ class Block(nn.Module):
     Single-Pass mHC: each sub-layer's input collapse uses the `pre` produced by the PREVIOUS
     sub-layer's mixes (attention: the previous block's FFN `pre`, one-hot for block 0; FFN: this
     block's attention `pre`), and `forward` returns its FFN `pre` for the next block.
-    `engram` (optional) is applied to the stream before the block by the Transformer.
+    `engram` (optional) is applied to the stream before the block by the Transformer. Layer ids
+    >= n_layers are DSpark stages: their MoE has the DSpark expert counts (reference get_moe_config).
     """
 
     def __init__(self, args: ModelArgs, layer_id: int, engram: nn.Module | None = None):
@@ -86,7 +104,7 @@ class Block(nn.Module):
         self.norm_eps, self.hc_mult = args.norm_eps, args.hc_mult
         self.hc_sinkhorn_iters, self.hc_eps = args.hc_sinkhorn_iters, args.hc_eps
         self.attn = Attention(args, layer_id)
-        self.ffn = MoE(args)
+        self.ffn = MoE(args, *args.dspark_experts) if layer_id >= args.n_layers else MoE(args)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.engram = engram
@@ -117,10 +135,21 @@ class Block(nn.Module):
         image_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         """h [B,S,hc,D], pre_mix [B,S,hc] fp32 -> (h, this block's FFN pre for the next block, stats)."""
+        return self.run(h_BSCD, pre_mix_BSC, lambda x_BSD: self.attn(x_BSD, ctx, cache), image_mask)
+
+    def run(
+        self,
+        h_BSCD: torch.Tensor,
+        pre_mix_BSC: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+        image_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+        """`forward` with the attention given as `attend(attn_norm output [B,S,D]) -> [B,S,D]`
+        (DSpark stages attend over the backbone context instead of their own past)."""
         hc = {"norm_eps": self.norm_eps, "hc_eps": self.hc_eps, "iters": self.hc_sinkhorn_iters}
         # attention coefficients from the stream BEFORE attention; its input uses the carried pre
         x_BSD, attn_pre, attn_post, attn_comb = self.mixes_pre(h_BSCD, pre_mix_BSC, *self._hc("attn"), **hc)
-        f_BSD = self.attn(self.attn_norm(x_BSD), ctx, cache)
+        f_BSD = attend(self.attn_norm(x_BSD))
         # FFN coefficients from the stream BEFORE the FFN; its input uses the attention's pre
         h_BSCD, x_BSD, ffn_pre, ffn_post, ffn_comb = self.post_mixes_pre(
             f_BSD, h_BSCD, attn_post, attn_comb, attn_pre, *self._hc("ffn"), **hc
@@ -142,21 +171,57 @@ def hc_post_mixes_pre_torch(f, residual, post, comb, pre_carried, fn, scale, bas
     return (x_new, *hc_mixes_pre_torch(x_new, pre_carried, fn, scale, base, **consts))
 
 
+def make_engram_inputs(
+    hasher: EngramHasher,
+    input_ids: torch.Tensor,
+    *,
+    image_mask: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+    context_ids: torch.Tensor | None = None,
+    context_image_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """The `engram_inputs` of ONE forward call: {"hashes": [B,S,n_engram_layers,C] int64 on
+    input_ids' device, "engram_mask": ~image_mask or None} (§3.1: hashes once per call, image spans
+    closed). Packed rows: pass the call's doc_ids. An incremental call at start_pos > 0: pass
+    context_ids = the row's tokens [start_pos - c, start_pos) with c = min(start_pos, max_ngram - 1)
+    (and context_image_mask if any of them were image positions)."""
+    hashes = hasher(
+        input_ids, image_mask, doc_ids=doc_ids, context_ids=context_ids, context_image_mask=context_image_mask
+    )
+    return {"hashes": hashes.to(input_ids.device), "engram_mask": None if image_mask is None else ~image_mask}
+
+
 class Transformer(nn.Module):
-    """Backbone with official parameter names (`embed`, `layers.{i}.*`, `norm`, `head`).
+    """Backbone with official parameter names (`embed`, `layers.{i}.*` incl. `layers.{i}.engram.*`,
+    `norm`, `head`) and the DSpark drafter `mtp.{k}.*` when dspark_block_size > 0.
 
     Construction allocates parameters only (works on the meta device); call `init_weights` for
-    values and pass a `ModelCache` to `forward_incremental` for inference state.
+    values and pass a `ModelCache` to `forward_incremental` for inference state. Engram hashes come
+    from the caller (`engram_inputs`, see make_engram_inputs) or, when given none, from the attached
+    `engram_hasher` (EngramHasher(args, tokenizer)): forward passes it the call's doc_ids and image
+    mask, forward_incremental the cached last max_ngram-1 tokens as context.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, engram_hasher: EngramHasher | None = None):
         super().__init__()
         self.args = args
+        self.engram_hasher = engram_hasher
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        engrams = {i: Engram(args, i) for i in args.engram_layer_ids}
+        self.layers = nn.ModuleList(Block(args, i, engrams.get(i)) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # bf16 in checkpoints, held in fp32 so logits come out fp32 (§3.13).
         self.head = nn.Linear(args.dim, args.vocab_size, bias=False, dtype=torch.float32)
+        self.vision = self.aligner = None
+        if args.vision_n_layers > 0:  # DeepSeek-ViT + 3x3 unshuffle aligner + learned span delimiters
+            self.vision, self.aligner = ViT(args), Aligner(args)
+            for name in DELIMITER_NAMES.values():
+                setattr(self, name, nn.Parameter(torch.empty(args.dim)))
+        self.mtp = None
+        if args.dspark_enabled:
+            from model.dspark import DSpark  # dspark.py builds its stages on Block: a late import, no cycle
+
+            self.mtp = DSpark(args)
         self.ratios = tuple(sorted({args.compress_ratio(i) for i in range(args.n_layers)} - {0}))
         self._rope_tables: dict[tuple[bool, int, str], torch.Tensor] = {}
 
@@ -185,6 +250,9 @@ class Transformer(nn.Module):
                     for which in ("attn", "ffn"):
                         for key, value in init_hc_params(self.args.dim, self.args.hc_mult).items():
                             getattr(m, f"hc_{which}_{key}").copy_(value)
+            if self.vision is not None:
+                for name in DELIMITER_NAMES.values():
+                    nn.init.normal_(getattr(self, name), std=std)
         for name, p in self.named_parameters():
             p.data = p.data.to(dtypes[name])
 
@@ -209,9 +277,24 @@ class Transformer(nn.Module):
         freqs_anchor = {r: table[gl.anchor_pos] for r, gl in layout.groups.items()}
         return AttnContext(layout, SharedAttnState(), freqs_q, freqs_anchor, self.args.qat, indexer_loss)
 
+    def _embed(
+        self, input_ids: torch.Tensor, images: Sequence[Any] | None, token_types: torch.Tensor | None, start_pos: int
+    ) -> torch.Tensor:
+        """Token embeddings [B,S,D] with image spans overwritten by ViT+aligner rows and delimiters (§3.15)."""
+        h_BSD = self.embed(input_ids)
+        if images:
+            if self.vision is None:
+                raise ValueError("images were given but this config has no vision tower (vision_n_layers == 0)")
+            if token_types is None:
+                raise ValueError("images need token_types [B,S] (Tokenizer.image_span / expand_image_placeholders)")
+            delimiters = {name: getattr(self, name) for name in DELIMITER_NAMES.values()}
+            h_BSD = embed_images(h_BSD, images, token_types, self.vision, self.aligner, delimiters, start_pos)
+        return h_BSD
+
     def _run_layers(
         self,
         input_ids: torch.Tensor,
+        h_BSD: torch.Tensor,
         ctx: AttnContext,
         caches: list[LayerCache] | None,
         image_mask: torch.Tensor | None,
@@ -219,12 +302,12 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, list[RouterStats], torch.Tensor | None]:
         B, S = input_ids.shape
         a = self.args
-        h_BSCD = self.embed(input_ids).unsqueeze(2).repeat(1, 1, a.hc_mult, 1)  # hc identical copies
+        h_BSCD = h_BSD.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)  # hc identical copies
         pre_mix = identity_pre_mix(B, S, a.hc_mult, device=input_ids.device)
         stats, captured = [], []
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
-                h_BSCD = layer.engram(h_BSCD, **(engram_inputs or {}))
+                h_BSCD = layer.engram(h_BSCD, **engram_inputs)
             if i in a.dspark_target_layer_ids:  # DSpark context: mean of the streams at the INPUT
                 captured.append(h_BSCD.mean(dim=2))
             h_BSCD, pre_mix, s = layer(h_BSCD, pre_mix, ctx, None if caches is None else caches[i], image_mask)
@@ -232,6 +315,47 @@ class Transformer(nn.Module):
         # Final collapse with the last block's carried FFN pre (V4.1 has no separate hc_head).
         x_BSD = self.norm(hc_pre(h_BSCD, pre_mix))
         return x_BSD, stats, torch.cat(captured, dim=-1) if captured else None
+
+    def _engram_inputs(
+        self,
+        input_ids: torch.Tensor,
+        image_mask: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        engram_inputs: dict[str, Any] | None,
+        cache: ModelCache | None = None,
+    ) -> dict[str, Any] | None:
+        a = self.args
+        if not a.engram_layer_ids:
+            return None
+        if engram_inputs is None:
+            if self.engram_hasher is None:
+                raise ValueError(
+                    f"this model has Engram layers {a.engram_layer_ids}: pass engram_inputs="
+                    "make_engram_inputs(hasher, input_ids, image_mask=..., doc_ids=...) (incremental calls: "
+                    "also context_ids=the previous max_ngram-1 tokens) with hasher = EngramHasher(args, "
+                    "tokenizer), or build Transformer(args, engram_hasher=hasher) to hash inside forward"
+                )
+            n_ctx = a.engram_max_ngram_size - 1
+            ctx = None if cache is None or cache.recent_ids is None else cache.recent_ids[:, -n_ctx:]
+            engram_inputs = make_engram_inputs(
+                self.engram_hasher, input_ids, image_mask=image_mask, doc_ids=doc_ids,
+                context_ids=None if ctx is None else ctx.clamp(min=0),
+                context_image_mask=None if ctx is None else ctx < 0,
+            )  # fmt: skip
+        want = (*input_ids.shape, len(a.engram_layer_ids))
+        if tuple(engram_inputs["hashes"].shape[:3]) != want:
+            raise ValueError(f"engram_inputs['hashes'] has shape {tuple(engram_inputs['hashes'].shape)}, want {want}+C")
+        return engram_inputs
+
+    def _remember_ids(self, cache: ModelCache, input_ids: torch.Tensor, image_mask: torch.Tensor | None) -> None:
+        """Keep the newest tokens (-1 at image positions) for the next call's Engram context."""
+        if not self.args.engram_layer_ids:
+            return
+        ids = input_ids if image_mask is None else input_ids.masked_fill(image_mask, -1)
+        if cache.recent_ids is not None:
+            ids = torch.cat([cache.recent_ids, ids], dim=1)
+        keep = self.args.engram_max_ngram_size - 1 + cache.max_rollback
+        cache.recent_ids = ids[:, max(0, ids.size(1) - keep) :]
 
     # ------------------------------------------------------------------ entry points
     def forward(
@@ -242,6 +366,8 @@ class Transformer(nn.Module):
         image_mask: torch.Tensor | None = None,
         compute_indexer_loss: bool | None = None,
         engram_inputs: dict[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
+        token_types: torch.Tensor | None = None,
     ) -> TransformerOutput:
         """Teacher-forced forward over packed rows.
 
@@ -249,16 +375,24 @@ class Transformer(nn.Module):
         document per row). Attention (window and compressed), compression groups, indexer and RoPE
         positions all restart at document boundaries, so a packed row equals its documents run alone.
         `compute_indexer_loss` (default: when autograd is on) adds the indexer alignment loss.
-        image_mask [B,S] bool selects the MoE's vision routing bias; engram_inputs go to Engram layers.
+        image_mask [B,S] bool selects the MoE's vision routing bias and closes the Engram gate.
+        engram_inputs: make_engram_inputs(hasher, input_ids, image_mask=, doc_ids=) (required with
+        Engram layers unless an engram_hasher is attached).
+        images (model.image_processor.ProcessedImage, in span order) + token_types [B,S] (TEXT = -1,
+        image span >= 0) overwrite the spans' embeddings; token_types also sets image_mask when absent.
         """
         a = self.args
+        if image_mask is None and token_types is not None:
+            image_mask = token_types >= 0
+        engram_inputs = self._engram_inputs(input_ids, image_mask, doc_ids, engram_inputs)
         if doc_ids is None:
             doc_ids = torch.zeros_like(input_ids)
         layout = build_packed_layout(doc_ids, a.window_size, self.ratios, a.candidate_block_size)
         if compute_indexer_loss is None:
             compute_indexer_loss = torch.is_grad_enabled()
         ctx = self._context(layout, compute_indexer_loss)
-        x_BSD, stats, main_hidden = self._run_layers(input_ids, ctx, None, image_mask, engram_inputs)
+        h_BSD = self._embed(input_ids, images, token_types, 0)
+        x_BSD, stats, main_hidden = self._run_layers(input_ids, h_BSD, ctx, None, image_mask, engram_inputs)
         logits = self.head(x_BSD.float())
         losses = ctx.state.indexer_losses
         indexer_loss = torch.stack(losses).mean() if losses else logits.new_zeros(())
@@ -273,14 +407,22 @@ class Transformer(nn.Module):
         image_mask: torch.Tensor | None = None,
         engram_inputs: dict[str, Any] | None = None,
         return_main_hidden: bool = False,
+        images: Sequence[Any] | None = None,
+        token_types: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B,S,V] fp32 for S new tokens at positions start_pos.. (prefill, chunked prefill,
         one-token decode or k-token verification alike). `cache` is extended in place; start_pos
         must equal cache.seq_len (one document per row, rows share start_pos). With
-        `return_main_hidden`, returns (logits, main_hidden) (the DSpark context of these tokens)."""
+        `return_main_hidden`, returns (logits, main_hidden) (the DSpark context of these tokens).
+        engram_inputs: as forward's, with context_ids = the max_ngram-1 tokens before start_pos; without
+        them the attached engram_hasher hashes with the tokens the cache remembers."""
         a = self.args
         if start_pos != cache.seq_len:
             raise ValueError(f"start_pos {start_pos} != cache.seq_len {cache.seq_len}")
+        if image_mask is None and token_types is not None:
+            image_mask = token_types >= 0
+        engram_inputs = self._engram_inputs(input_ids, image_mask, None, engram_inputs, cache)
+        self._remember_ids(cache, input_ids, image_mask)
         if not cache.layers:
             cache.layers = [LayerCache(max_rollback=cache.max_rollback) for _ in self.layers]
         B, S = input_ids.shape
@@ -290,7 +432,71 @@ class Transformer(nn.Module):
             B, start_pos, S, a.window_size, window_base, self.ratios, a.candidate_block_size, input_ids.device
         )
         ctx = self._context(layout, indexer_loss=False)
-        x_BSD, _, main_hidden = self._run_layers(input_ids, ctx, cache.layers, image_mask, engram_inputs)
+        h_BSD = self._embed(input_ids, images, token_types, start_pos)
+        x_BSD, _, main_hidden = self._run_layers(input_ids, h_BSD, ctx, cache.layers, image_mask, engram_inputs)
         cache.seq_len += S
         logits = self.head(x_BSD.float())
         return (logits, main_hidden) if return_main_hidden else logits
+
+    # ------------------------------------------------------------------ DSpark drafter
+    def _drafter(self):
+        if self.mtp is None:
+            raise ValueError("DSpark is off for this config (dspark_block_size == 0)")
+        return self.mtp
+
+    def draft_teacher_forced(
+        self,
+        main_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        k: int | None = None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        markov: Markov = "teacher",
+    ) -> DraftOutput:
+        """DSpark drafts for every anchor position of a teacher-forced row (model.dspark.DraftOutput:
+        logits [B,S,k,V], row i of anchor s predicts token s+1+i). main_hidden: TransformerOutput's.
+        The context, the embedding and the head enter DETACHED, so a DSpark loss trains mtp.* only.
+        k defaults to dspark_block_size."""
+        mtp = self._drafter()
+        K = mtp.block_size
+        table = self._table(False, input_ids.size(1) + K, input_ids.device)
+        return mtp.draft_teacher_forced(
+            main_hidden.detach(), input_ids, k or K, embed_weight=self.embed.weight.detach(),
+            head_weight=self.head.weight.detach(), rope_table=table, doc_ids=doc_ids, markov=markov,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def draft_step(
+        self,
+        anchor_ids: torch.Tensor,
+        main_hidden: torch.Tensor,
+        cache: ModelCache,
+        k: int | None = None,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> DraftStep:
+        """Draft k tokens at decode time (the reference's forward_spec; model.dspark.DraftStep).
+
+        anchor_ids [B]: the token at position cache.seq_len, sampled but not yet consumed.
+        main_hidden [B,n,X]: the DSpark context of the tokens the backbone consumed since the last
+        draft_step (forward_incremental(..., return_main_hidden=True); after a verification call only
+        the accepted prefix), so that the drafter's context ends where the backbone cache does.
+        """
+        from model.dspark import DSparkCache
+
+        mtp = self._drafter()
+        if cache.dspark is None:
+            cache.dspark = DSparkCache(max_rollback=cache.max_rollback)
+        if cache.dspark.seq_len + main_hidden.size(1) != cache.seq_len:
+            raise ValueError(
+                f"DSpark context covers {cache.dspark.seq_len} tokens, main_hidden adds {main_hidden.size(1)}, but "
+                f"the backbone cache holds {cache.seq_len}: pass the main_hidden of every token consumed since "
+                "the last draft_step"
+            )
+        table = self._table(False, cache.seq_len + mtp.block_size, anchor_ids.device)
+        mtp.extend_context(main_hidden, cache.dspark, table)
+        return mtp.draft_step(
+            anchor_ids, cache.dspark, k or mtp.block_size, embed_weight=self.embed.weight,
+            head_weight=self.head.weight, rope_table=table, temperature=temperature, generator=generator,
+        )  # fmt: skip

@@ -58,6 +58,7 @@ def train_tiny(flavor: str, steps: int, seq_len: int, lr: float, out_path: str) 
     from model.chat_template import ChatTemplate
     from model.checkpoint import save_checkpoint
     from model.config import get_flavor
+    from model.engram import EngramHasher
     from model.tokenizer import Tokenizer
     from model.transformer import Transformer
 
@@ -73,7 +74,7 @@ def train_tiny(flavor: str, steps: int, seq_len: int, lr: float, out_path: str) 
         mask += chat.loss_mask
     ids_t = torch.tensor(ids[: (len(ids) // seq_len) * seq_len]).view(-1, seq_len)
     mask_t = torch.tensor(mask[: ids_t.numel()]).view(-1, seq_len)
-    model = Transformer(args)
+    model = Transformer(args, engram_hasher=EngramHasher(args, tok) if args.engram_layer_ids else None)
     model.init_weights(seed=0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses, n_tokens, t0 = [], 0, time.perf_counter()
