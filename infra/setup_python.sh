@@ -41,12 +41,23 @@ fi
 
 t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# This machine's pip config lists local wheel folders that may be absent; their warnings are noise.
+pip_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   echo "[setup] installing $TORCH_PIN"
-  "${PIP[@]}" "$TORCH_PIN"
+  pip_install "$TORCH_PIN"
 fi
 echo "[setup] installing flashpost (editable) and its dependencies"
-"${PIP[@]}" -e '.[dev]'
+pip_install -e '.[dev]'
+# DeepSpeed JIT-compiles its CPU shared-memory collective on the first init_distributed (minutes on
+# 2 cores); build it here, once per machine (cached in ~/.cache/torch_extensions), with a message.
+echo "[setup] building DeepSpeed's CPU communication op (first time only)"
+"$VENV/bin/python" - <<'PY'
+import importlib
+importlib.import_module("deepspeed.comm.torch").build_shm_op()
+PY
 echo "$want" > "$stamp"
 echo "[setup] python environment ready in $(( $(date +%s) - t0 )) s ($VENV)"

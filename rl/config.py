@@ -50,6 +50,55 @@ class ModelChoice:
 
 
 @dataclass(kw_only=True)
+class OptimConfig:
+    """Optimiser families of rl/optim.py: AdamW (`lr`, betas, eps) for norms/scalars, Muon (`muon_lr`,
+    `momentum`, `ns_steps`) for hidden matrices, Sinkhorn-balanced momentum (`sinkhorn_lr`) for
+    embedding, head and Engram tables; decoupled weight decay for all."""
+
+    lr: float = 3e-4
+    muon_lr: float = 0.02
+    sinkhorn_lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.95
+    ns_steps: int = 5
+    ns_method: str = "gram"  # DeepSpeed's Newton-Schulz variant: "gram" (fp16, fp32 on CPU) or "standard" (bf16)
+    sinkhorn_iters: int = 5
+
+    def __post_init__(self) -> None:
+        _require(self.ns_method, ("gram", "standard"), "trainer.optim.ns_method")
+
+
+IS_MODES = ("token_tis", "mask")
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """Decoupled PPO of rl/losses.py: w = sg(π_prox/μ) truncated at `is_cap` ("token_tis") or tokens
+    masked when w is outside [is_band_low, is_band_high] ("mask"); trust region clip(π_θ/π_prox,
+    1−eps_low, 1+eps_high); dual clip at `dual_clip`·|A| for A < 0 (None = off); k3 KL to a
+    reference policy weighted by `kl_coef` (0 = off)."""
+
+    is_mode: str = "token_tis"
+    is_cap: float = 2.0
+    is_band_low: float = 0.5
+    is_band_high: float = 2.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.is_mode, IS_MODES, "trainer.policy_loss.is_mode")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"trainer.policy_loss.dual_clip={self.dual_clip} must be > 1")
+        if not 0 < self.is_band_low <= 1.0 <= self.is_band_high:
+            raise ValueError("trainer.policy_loss needs 0 < is_band_low <= 1 <= is_band_high")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """What the learner optimises and for how long."""
 
@@ -61,9 +110,19 @@ class TrainerConfig:
     seed: int = 0
     zero_stage: int = 0
     checkpoint_every: int = 50
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage: str = "grpo"
+    advantage_eps: float = 1e-6
+    opd_chunk_size: int = 4096
+    indexer_loss_weight: float = 1.0
+    balance_alpha: float = 1e-4
+    expert_bias_rate: float = 1e-3
 
     def __post_init__(self) -> None:
         _require(self.kind, TRAINER_KINDS, "trainer.kind")
+        _require(self.advantage, ("grpo", "rloo"), "trainer.advantage")
         if self.global_batch_tokens % self.micro_batch_tokens:
             raise ValueError(
                 f"trainer.global_batch_tokens ({self.global_batch_tokens}) must be a multiple of "

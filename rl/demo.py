@@ -61,6 +61,8 @@ def train_tiny(flavor: str, steps: int, seq_len: int, lr: float, out_path: str) 
     from model.engram import EngramHasher
     from model.tokenizer import Tokenizer
     from model.transformer import Transformer
+    from rl.config import OptimConfig
+    from rl.optim import build_optimizer
 
     torch.manual_seed(0)
     args = get_flavor(flavor)
@@ -76,7 +78,9 @@ def train_tiny(flavor: str, steps: int, seq_len: int, lr: float, out_path: str) 
     mask_t = torch.tensor(mask[: ids_t.numel()]).view(-1, seq_len)
     model = Transformer(args, engram_hasher=EngramHasher(args, tok) if args.engram_layer_ids else None)
     model.init_weights(seed=0)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    # per-family optimisers (Muon / Sinkhorn-balanced momentum / AdamW); the Engram table's sparse
+    # gradients rule out a plain AdamW
+    opt = build_optimizer(model, OptimConfig(lr=lr, sinkhorn_lr=lr))
     losses, n_tokens, t0 = [], 0, time.perf_counter()
     for step in tqdm(range(steps), desc=f"{flavor} steps", unit="step"):
         row = step % ids_t.size(0)
