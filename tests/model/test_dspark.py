@@ -19,14 +19,6 @@ from model.transformer import INTENTIONALLY_FROZEN, ModelCache, Transformer
 S = 26  # > window (16): the drafter's context window slides
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _args(qat: bool = False):
     # two stages (first != last), a 3-row block; fp32 (qat=False: no QDQ, the paths agree to rounding)
     return get_flavor("debug", n_mtp_layers=2, dspark_block_size=3, qat=qat)

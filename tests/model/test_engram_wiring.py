@@ -12,14 +12,6 @@ from model.engram import EngramHasher
 from model.transformer import ModelCache, Transformer, make_engram_inputs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def args():
     return get_flavor("debug", qat=False)  # fp32, no QDQ: the two paths must agree to rounding

@@ -22,14 +22,6 @@ from model.tokenizer import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEXT,
 FLASH = ImageProcessor.from_args(get_flavor("flash"))  # 14 px patches, 3x3 unshuffle, 1024 tokens, 544² px
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # (height, width) -> (target height, target width, n_llm_h, n_llm_w), worked out by hand:
 HAND_PLANS = {
     # exactly min_pixels: sides round up to 546 = 39 patches -> ceil(39/3) = 13 tokens a side

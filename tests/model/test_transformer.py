@@ -22,15 +22,6 @@ S = 40  # > window (16), > index_topk (8) groups, > candidate pool (3 blocks x 4
 QAT_EXACT_SEED = 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The debug model is tiny: thread hand-offs cost more than they save on shared CPU runners.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _word_level_hasher(args) -> EngramHasher:
     """Engram hashes for the debug vocab: a real word-level tokenizer whose ids all decode apart."""
     vocab = {f"<t{i}>": i for i in range(args.vocab_size)}

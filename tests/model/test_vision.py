@@ -28,14 +28,6 @@ from model.vision import (
 VISION = dict(vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=96)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _args():
     return get_flavor("debug", **VISION)
 
