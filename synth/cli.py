@@ -1,0 +1,127 @@
+"""`flashpost-factory`: build verified tasks from a repository, and look at what a run produced.
+
+  flashpost-factory build --repo <path|git-url|pypi:NAME==VERSION|sample> --out DIR --budget N --concurrency C
+  flashpost-factory inspect DIR [--rerun]   per-task gate results (--rerun: run the inspector again)
+  flashpost-factory show DIR TASK_ID        every stage's record of one task
+  flashpost-factory stats DIR               the stage funnel with drop reasons
+
+Flag names follow `rl.config.SynthConfig` (repo, out_dir, task_budget, concurrency, flaky_reruns).
+Not here: stage logic (synth/stages) or sequencing (synth/runner.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from synth.config import FactoryOptions
+from synth.records import StageStore
+from synth.runner import STAGES, run_factory, stats
+from synth.stages import inspect
+
+
+def _build(args: argparse.Namespace) -> int:
+    opts = FactoryOptions(repo=args.repo, out_dir=args.out, task_budget=args.budget, concurrency=args.concurrency,
+                          flaky_reruns=args.flaky_reruns, gold_runs=args.gold_runs, seed=args.seed,
+                          solver_attempts=args.solver_attempts, run_slow_hacks=args.slow_hacks)
+    if args.llm_base_url:
+        opts.llm_base_url, opts.llm_model = args.llm_base_url, args.llm_model
+    result = run_factory(opts, stages=args.stages or None)
+    _print_funnel(result)
+    print(f"{result['tasks']} task(s) passed every gate in {result['seconds']} s -> {Path(args.out) / 'tasks.json'}")
+    return 0 if result["tasks"] else 1
+
+
+def _print_funnel(result: dict) -> None:
+    print(f"{'stage':<12}{'in':>6}{'out':>6}  drop reasons")
+    for name, f in result["funnel"].items():
+        drops = ", ".join(f"{k} x{n}" for k, n in f["drops"].items())
+        print(f"{name:<12}{f['in']:>6}{f['out']:>6}  {drops}")
+    if result.get("search_solver_pass_rate") is not None:
+        print(f"search solver pass rate: {result['search_solver_pass_rate']}")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if args.rerun:
+        shutil.rmtree(out / inspect.NAME, ignore_errors=True)
+        opts_doc = json.loads((out / "options.json").read_text()) if (out / "options.json").exists() else {}
+        opts = FactoryOptions(**opts_doc)
+        opts.out_dir = str(out)
+        run_factory(opts, stages=[inspect.NAME])
+    records = StageStore(out, inspect.NAME, inspect.OUTPUT).load().values()
+    for r in records:
+        v = r.verdicts
+        gates = "".join("+" if v.get(g) else "-" for g in ("gold_gate", "null_gate", "adversarial_gate",
+                                                            "statement_consistent", "trajectory_gate"))
+        print(f"{r.status:<8} {gates} flaky={len(v.get('flaky', []))} {r.key}  {r.drop_reason[:100]}")
+    print("gates: gold null adversarial statement trajectory")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    found = False
+    for stage in STAGES:
+        rec = StageStore(args.dir, stage.NAME, stage.OUTPUT).load().get(args.task_id)
+        if rec is not None:
+            found = True
+            print(f"== {stage.NAME}: {rec.status} {rec.drop_reason}")
+            print(json.dumps(rec.to_dict(), indent=2)[: args.max_chars])
+    if not found:
+        print(f"no record with key {args.task_id!r} in {args.dir}", file=sys.stderr)
+    return 0 if found else 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    result = stats(args.dir)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_funnel(result)
+        print(f"tasks: {result['tasks']}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashpost-factory", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="run the pipeline (resumes an interrupted run in the same --out)")
+    b.add_argument("--repo", default="sample", help="local path, git URL, pypi:NAME==VERSION, or 'sample'")
+    b.add_argument("--out", default="runs/factory")
+    b.add_argument("--budget", type=int, default=20, help="tasks wanted (task_budget)")
+    b.add_argument("--concurrency", type=int, default=2)
+    b.add_argument("--flaky-reruns", type=int, default=3)
+    b.add_argument("--gold-runs", type=int, default=2)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--solver-attempts", type=int, default=1)
+    b.add_argument("--slow-hacks", action="store_true", help="also run hacks that hit the grader timeout")
+    b.add_argument("--stages", nargs="*", choices=[s.NAME for s in STAGES])
+    b.add_argument("--llm-base-url", default="", help="OpenAI-compatible endpoint for the LLM solver")
+    b.add_argument("--llm-model", default="")
+    b.set_defaults(fn=_build)
+    i = sub.add_parser("inspect", help="per-task gate results")
+    i.add_argument("dir")
+    i.add_argument("--rerun", action="store_true")
+    i.set_defaults(fn=_inspect)
+    s = sub.add_parser("show", help="one task's records")
+    s.add_argument("dir")
+    s.add_argument("task_id")
+    s.add_argument("--max-chars", type=int, default=20000)
+    s.set_defaults(fn=_show)
+    t = sub.add_parser("stats", help="stage funnel with drop reasons")
+    t.add_argument("dir")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=_stats)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""minikit: small utilities (statistics, text, ranges, money, grids)."""

@@ -1,0 +1,159 @@
+"""Stage 4, build & sanitize: a specified mutant -> a task image (base image + the mutant tree as a
+fresh single-commit git repository, caches and bytecode purged), then a leak audit that searches
+the built image (workspace files, every git object, site-packages, scratch dirs) for the gold fix
+text and fails the task on any hit.
+
+`build_tree_image` is the general form of envs/fixtures/build.py (any file tree, any history
+script, content-addressed so an unchanged tree is not rebuilt); feasibility uses it for the
+pristine repository image too. Not here: deciding F2P/P2P (specify) or grading (inspect).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from envs import engine
+from envs.sandbox import Sandbox
+from envs.task import Task
+from synth import mutations
+from synth.config import Context
+from synth.records import SpecRecord, TaskRecord
+from synth.testrun import TEST_COMMAND
+
+NAME = "build"
+OUTPUT = TaskRecord
+CONTENT_LABEL = "flashpost.content"
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "flashpost", "GIT_AUTHOR_EMAIL": "flashpost@localhost",
+    "GIT_COMMITTER_NAME": "flashpost", "GIT_COMMITTER_EMAIL": "flashpost@localhost",
+    "GIT_AUTHOR_DATE": "2025-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00+0000",
+}
+PURGE = ("find . \\( -name __pycache__ -o -name .pytest_cache -o -name '*.egg-info' -o -name .mypy_cache \\) "
+         "-prune -exec rm -rf {} + ; find . \\( -name '*.pyc' -o -name '*.pyo' -o -name '*.orig' -o -name '*.rej' "
+         "\\) -delete; rm -rf .git")
+FRESH_HISTORY = f"{PURGE}; git init -q -b main && git add -A && git commit -q -m 'Initial commit'"
+
+AUDIT_SCRIPT = r'''
+import json, os, site, subprocess, sys
+needles = [n.encode() for n in json.load(open("/tmp/.audit-needles.json"))]
+roots = ["/workspace", "/tmp", "/root", "/home", "/opt", "/srv", "/var/tmp", "/usr/local/lib",
+         *site.getsitepackages(), "/usr/lib/python3/dist-packages"]
+hits, scanned, seen = [], 0, set()
+def scan(name, data):
+    for n in needles:
+        if n in data:
+            hits.append(name)
+            return
+for root in roots:
+    for d, dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            real = os.path.realpath(p)
+            if real in seen or p.startswith("/tmp/.audit"):
+                continue
+            seen.add(real)
+            try:
+                if os.path.isfile(p) and os.path.getsize(p) < 4 << 20:
+                    scanned += 1
+                    scan(p, open(p, "rb").read())
+            except OSError:
+                pass
+git = ["git", "-c", "safe.directory=*", "-C", "/workspace"]
+objs = subprocess.run(git + ["cat-file", "--batch-all-objects", "--batch"], capture_output=True).stdout
+scan("git objects", objs)
+count = subprocess.run(git + ["rev-list", "--all", "--count"], capture_output=True, text=True).stdout.strip()
+head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+status = subprocess.run(git + ["status", "--porcelain", "--ignored"], capture_output=True, text=True).stdout
+stash = subprocess.run(git + ["stash", "list"], capture_output=True, text=True).stdout
+bytecode = [os.path.join(d, f) for d, _, fs in os.walk("/workspace") for f in fs if f.endswith((".pyc", ".pyo"))]
+print(json.dumps({"hits": hits, "scanned": scanned, "commits": count, "head": head, "dirty": status.splitlines(),
+                  "stash": stash.splitlines(), "bytecode": bytecode, "objects_bytes": len(objs)}))
+'''
+
+
+def units(specs: list[SpecRecord], ctx: Context) -> list[SpecRecord]:
+    return [s for s in specs if s.ok]
+
+
+def unit_key(spec: SpecRecord) -> str:
+    return spec.task_id
+
+
+def repo_files(repo_dir: str | Path) -> dict[str, bytes]:
+    root = Path(repo_dir)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")}
+
+
+def build_tree_image(files: dict[str, bytes], image: str, *, script: str = FRESH_HISTORY) -> str:
+    """Build (or find cached by content) `image` = base image + files at /workspace + script; its id."""
+    base = engine.ensure_base_image()
+    h = hashlib.sha256(engine.image_id(base).encode() + script.encode())
+    for rel, content in sorted(files.items()):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(content).digest())
+    content = h.hexdigest()[:16]
+    if engine.image_labels(image).get(CONTENT_LABEL) != content:
+        repository, _, tag = image.rpartition(":")
+        engine.build_image(base, files=engine.tar_files(files), dest="/workspace", script=script, env=GIT_ENV,
+                           repository=repository, tag=tag, labels={CONTENT_LABEL: content})
+    return engine.image_id(image)
+
+
+def audit_image(image: str, needles: list[str], timeout: float = 180) -> dict:
+    """Search the image for any needle; also report history, dirt and bytecode. Raises on no answer."""
+    with Sandbox(image, labels={"flashpost.purpose": "leak-audit"}) as sb:
+        sb.write_file("/tmp/.audit-needles.json", json.dumps(needles))
+        sb.write_file("/tmp/.audit.py", AUDIT_SCRIPT)
+        r = sb.exec("python3 /tmp/.audit.py", timeout=timeout, user="root", max_output_bytes=1_000_000)
+    if r.exit_code != 0:
+        raise RuntimeError(f"leak audit failed to run: {r.output[-1500:]}")
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+def audit_problems(report: dict) -> list[str]:
+    problems = [f"fix text found in {h}" for h in report["hits"]]
+    if report["commits"] != "1":
+        problems.append(f"history has {report['commits']} commits, not 1")
+    if report["dirty"]:
+        problems.append(f"workspace not clean: {report['dirty'][:5]}")
+    if report["stash"]:
+        problems.append("a stash exists")
+    if report["bytecode"]:
+        problems.append(f"bytecode left: {report['bytecode'][:3]}")
+    return problems
+
+
+def mutant_files(spec: SpecRecord) -> dict[str, bytes]:
+    files = repo_files(spec.repo_path)
+    m = mutations.Mutation(**spec.mutation)
+    files[m.path] = mutations.apply(files[m.path].decode(), m).encode()
+    return files
+
+
+def build_task(spec: SpecRecord, ctx: Context, *, files: dict[str, bytes] | None = None,
+               script: str = FRESH_HISTORY) -> TaskRecord:
+    """Build and audit one task; `files`/`script` default to the mutant tree with a fresh history."""
+    t0 = time.monotonic()
+    image = f"flashpost/synth-task:{spec.task_id}"
+    rec = TaskRecord(key=spec.task_id, repo_path=spec.repo_path, mutation=spec.mutation, quoted=spec.quoted,
+                     needles=spec.needles)
+    try:
+        digest = build_tree_image(files if files is not None else mutant_files(spec), image, script=script)
+        report = audit_image(image, spec.needles)
+    except RuntimeError as e:
+        return rec.drop(f"build failed: {e}"[:2000])
+    rec.audit = {k: v for k, v in report.items() if k != "dirty"} | {"needles": len(spec.needles)}
+    task = Task(task_id=spec.task_id, repo=spec.repo_key, base_revision=report["head"], image=image,
+                image_digest=digest, problem_statement=spec.problem_statement, test_command=TEST_COMMAND,
+                test_parser="junit", f2p=spec.f2p, p2p=spec.p2p, gold_patch=spec.gold_patch,
+                test_files=spec.test_files)
+    rec.task, rec.seconds = task.to_dict(), time.monotonic() - t0
+    problems = audit_problems(report)
+    return rec.drop("image leak: " + "; ".join(problems)) if problems else rec
+
+
+def process(spec: SpecRecord, ctx: Context) -> TaskRecord:
+    return build_task(spec, ctx)

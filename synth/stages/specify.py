@@ -1,0 +1,172 @@
+"""Stage 3, specify: (feasible repository, mutation site) -> a task specification. The mutant is run
+in a grader of the pristine repository image; F2P = tests passing on the original and failing on
+the mutant, P2P = passing on both. The gold patch is the diff mutant -> original. The problem
+statement is written from observed behaviour only (the failing tests' bodies without their names,
+and the assertion/exception lines), then scanned for leaks: diff lines, the fixed code text, test
+function names, hashes. Any leak drops the candidate.
+
+Not here: images of the mutant (build) or validating the task end to end (inspect).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import random
+import re
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from synth import mutations
+from synth.config import Context
+from synth.records import FeasibleRepo, SpecRecord
+from synth.testrun import probe_task, run_suite
+
+NAME = "specify"
+OUTPUT = SpecRecord
+MAX_F2P = 8  # a mutant failing more tests than this is a broad breakage, not a focused bug
+_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,64}\b")
+
+
+def units(repos: list[FeasibleRepo], ctx: Context) -> list[tuple[FeasibleRepo, mutations.Mutation]]:
+    """Every mutation site of every repository, kinds interleaved round-robin (seeded order)."""
+    rng = random.Random(ctx.opts.seed)
+    out = []
+    for repo in (r for r in repos if r.ok):
+        by_kind: dict[str, list[mutations.Mutation]] = {}
+        for path in repo.source_files:
+            source = (Path(repo.path) / path).read_text(errors="replace")
+            try:
+                found = mutations.find_mutations(path, source)
+            except (SyntaxError, ValueError):
+                continue
+            for m in found:
+                by_kind.setdefault(m.kind, []).append(m)
+        queues = [rng.sample(ms, len(ms)) for _, ms in sorted(by_kind.items())]
+        while any(queues):
+            for q in queues:
+                if q:
+                    out.append((repo, q.pop()))
+    return out
+
+
+def unit_key(unit: tuple[FeasibleRepo, mutations.Mutation]) -> str:
+    repo, m = unit
+    h = hashlib.sha256(f"{m.path}:{m.lineno}:{m.col}:{m.end_col}:{m.new}".encode()).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", Path(m.path).stem).strip("-").lower()
+    return f"{repo.key}-{stem}-{m.kind.replace('_', '-')}-{m.lineno}-{h}"
+
+
+def _test_body(repo_path: str, test_id: str) -> str:
+    """The test's body (not its name or decorators), dedented."""
+    file, *rest = test_id.split("::")
+    name = re.sub(r"\[.*\]$", "", rest[-1]) if rest else ""
+    try:
+        source = (Path(repo_path) / file).read_text()
+        tree = ast.parse(source)
+    except (OSError, SyntaxError):
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            lines = source.splitlines()[node.body[0].lineno - 1:node.end_lineno]
+            return textwrap.dedent("\n".join(lines)).strip()
+    return ""
+
+
+def _observed(message: str) -> list[str]:
+    """The assertion/exception lines of a failure ("E   ..."), without source frames."""
+    lines = [ln[1:].strip() for ln in message.splitlines() if ln.startswith("E ")]
+    lines = [ln for ln in lines if ln and not ln.startswith("Use -v to get")][:6]
+    return lines or [ln.strip() for ln in message.strip().splitlines()[-2:] if ln.strip()]
+
+
+def write_statement(spec: SpecRecord, repo: FeasibleRepo) -> tuple[str, list[str]]:
+    """A behaviour-only issue text; returns (statement, the failure lines it quotes)."""
+    parts, quoted = ["Some calls into this library give wrong results. Reproduction:"], []
+    for tid in spec.f2p[:2]:
+        body, seen = _test_body(repo.path, tid), _observed(spec.failures.get(tid, ""))
+        if not body:
+            continue
+        parts.append(f"```python\n{body}\n```\nfails with:\n```\n" + "\n".join(seen) + "\n```")
+        quoted += seen
+    if len(spec.f2p) > 2:
+        parts.append(f"{len(spec.f2p) - 2} more check(s) of the same behaviour fail as well.")
+    parts.append("Each snippet above should pass. Please fix the library code (not the checks).")
+    return "\n\n".join(parts), quoted
+
+
+def statement_leaks(statement: str, spec: SpecRecord, test_ids: list[str]) -> list[str]:
+    """What of the fix (or of the verifier's identity) the statement gives away."""
+    leaks = []
+    for line in spec.gold_patch.splitlines():
+        if line.startswith(("+++", "---", "diff --git", "@@")):
+            if line.startswith(("diff --git", "@@ ")) and line in statement:
+                leaks.append("diff header")
+            continue
+        text = line[1:].strip()
+        if line[:1] in "+-" and len(text) >= 8 and text in statement:
+            leaks.append(f"diff line {text!r}")
+    old = spec.mutation.get("old", "").strip()
+    if len(old) >= 6 and not old.isidentifier() and old in statement:
+        leaks.append(f"fixed code {old!r}")
+    for tid in test_ids:
+        name = re.sub(r"\[.*\]$", "", tid.split("::")[-1])
+        if re.search(rf"\b{re.escape(name)}\b", statement):
+            leaks.append(f"test name {name}")
+    leaks += [f"hash {h}" for h in _HASH.findall(statement)]
+    return sorted(set(leaks))
+
+
+def fix_needles(original: str, mutant_tree: dict[str, bytes], m: mutations.Mutation) -> list[str]:
+    """Text of the fixed code that the mutant tree does not contain (the leak audit's needles)."""
+    lines = original.splitlines()
+    i = m.lineno - 1
+    candidates = ["\n".join(lines[max(i - 1, 0):i + 2])]
+    if len(lines[i].strip()) >= 24:
+        candidates.append(lines[i].strip())
+    blobs = list(mutant_tree.values())
+    return [c for c in candidates if c.strip() and not any(c.encode() in b for b in blobs)]
+
+
+StatementWriter = Callable[[SpecRecord, FeasibleRepo], tuple[str, list[str]]]
+
+
+def process(unit: tuple[FeasibleRepo, mutations.Mutation], ctx: Context) -> SpecRecord:
+    repo, m = unit
+    t0 = time.monotonic()
+    rec = SpecRecord(key=unit_key(unit), task_id=unit_key(unit), repo_key=repo.key, repo_path=repo.path,
+                     repo_image=repo.image, test_files=repo.test_files, mutation=m.to_dict())
+    original = (Path(repo.path) / m.path).read_text()
+    mutant = mutations.apply(original, m)
+    rec.bug_patch = mutations.unified_diff(m.path, original, mutant)
+    rec.gold_patch = mutations.unified_diff(m.path, mutant, original)
+    run = run_suite(probe_task(repo.image, repo.test_files), rec.bug_patch, pool=ctx.shared_pool(repo.image))
+    rec.seconds = time.monotonic() - t0
+    if not run.statuses:  # nothing reported: the suite could not even be collected
+        category = "breaks collection" if run.agreement else "mutant run failed"
+        return rec.drop(f"{category}: no test results ({run.reason})"[:1000])
+    passing = set(repo.passing)
+    broken = sorted(t for t in passing if run.statuses.get(t, "missing") != "passed")
+    if any(run.statuses.get(t, "missing") == "missing" for t in broken):
+        return rec.drop("breaks collection: tests vanish on the mutant")
+    if not broken:
+        return rec.drop("equivalent mutant: no passing test fails")
+    if len(broken) > MAX_F2P:
+        return rec.drop(f"too broad: {len(broken)} tests fail")
+    rec.f2p, rec.p2p = broken, sorted(passing - set(broken))
+    rec.failures = {t: run.messages.get(t, "") for t in broken}
+    writer: StatementWriter = ctx.hooks.get("statement_writer", write_statement)
+    rec.problem_statement, rec.quoted = writer(rec, repo)
+    leaks = statement_leaks(rec.problem_statement, rec, rec.f2p + rec.p2p)
+    if leaks:
+        return rec.drop("statement leak: " + "; ".join(leaks)[:500])
+    if not rec.quoted:
+        return rec.drop("no observable failure to describe")
+    tree = {p: (Path(repo.path) / p).read_bytes() for p in repo.source_files + repo.test_files}
+    tree[m.path] = mutant.encode()
+    rec.needles = fix_needles(original, tree, m)
+    if not rec.needles:
+        return rec.drop("fix not distinctive: the fixed text exists elsewhere in the tree")
+    return rec
