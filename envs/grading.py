@@ -194,18 +194,23 @@ def decide(task: Task, out: dict, dropped: list[str], t0: float) -> GradeResult:
     return result("all F2P pass and all P2P still pass", tests, agreement=True, reward=1.0)
 
 
+def run_in_grader(task: Task, kept_patch: str, *, pool: GraderPool | None, timeout_s: float) -> dict:
+    """Run the task's tests on an already filtered patch in a fresh grader, or a warm one from pool.
+    Raises GraderLost when the runner hung or died (the grader is then discarded)."""
+    if pool is not None:
+        with pool.grader(task.image) as grader:
+            return run_job(grader, task, kept_patch, timeout_s)
+    with GraderSandbox(task.image) as grader:
+        return run_job(grader, task, kept_patch, timeout_s)
+
+
 def grade_patch(task: Task, patch: str, *, pool: GraderPool | None = None,
                 timeout_s: float = DEFAULT_TEST_TIMEOUT_S) -> GradeResult:
     """Grade a git diff (against task.base_revision) in a fresh grader, or a warm one from pool."""
     t0 = time.monotonic()
     kept, dropped = filter_patch(patch, task.test_files)
     try:
-        if pool is not None:
-            with pool.grader(task.image) as grader:
-                out = run_job(grader, task, kept, timeout_s)
-        else:
-            with GraderSandbox(task.image) as grader:
-                out = run_job(grader, task, kept, timeout_s)
+        out = run_in_grader(task, kept, pool=pool, timeout_s=timeout_s)
     except GraderLost as e:  # the runner hung or died: the grader is discarded, reward 0
         return GradeResult(0.0, {}, False, f"grading failed: {e}", time.monotonic() - t0, dropped)
     return decide(task, out, dropped, t0)

@@ -13,8 +13,8 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-from envs.grading import decide, filter_patch, run_job
-from envs.pool import GraderLost, GraderPool, GraderSandbox
+from envs.grading import decide, filter_patch, run_in_grader
+from envs.pool import GraderLost, GraderPool
 from envs.task import Task
 
 TEST_COMMAND = "python3 -m pytest -q"
@@ -61,12 +61,7 @@ def run_suite(task: Task, patch: str, *, pool: GraderPool | None = None, timeout
     t0 = time.monotonic()
     kept, dropped = filter_patch(patch, task.test_files)
     try:
-        if pool is not None:
-            with pool.grader(task.image) as grader:
-                out = run_job(grader, task, kept, timeout_s)
-        else:
-            with GraderSandbox(task.image) as grader:
-                out = run_job(grader, task, kept, timeout_s)
+        out = run_in_grader(task, kept, pool=pool, timeout_s=timeout_s)
     except GraderLost as e:
         return SuiteRun({}, reason=f"grading failed: {e}", seconds=time.monotonic() - t0)
     res = decide(task, out, dropped, t0)
