@@ -25,7 +25,8 @@ def main() -> int:
     for script, *args in CPU_BENCHES:
         print(f"# bench/{script} {' '.join(args)}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, str(BENCH / script), *args])
+        module = f"bench.{script.removesuffix('.py')}"  # -m from the repo root: imports resolve without installs
+        rc = subprocess.call([sys.executable, "-m", module, *args], cwd=BENCH.parent)
         print(f"# bench/{script}: exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
         if rc:
             failed.append(script)
