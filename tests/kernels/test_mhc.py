@@ -2,28 +2,15 @@
 
 The new streams and the sub-layer input are bit-exact (same fp32 op order, no FMA contraction);
 the coefficients (a reduction over 4·D, then 20 Sinkhorn passes) and all gradients are compared
-with tolerances. CPU runs use TRITON_INTERPRET=1 (set before triton is imported); `-m gpu` on CUDA.
+with tolerances. CPU runs use TRITON_INTERPRET=1 (set in tests/kernels/conftest.py); `-m gpu` on CUDA.
 """
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernels import mhc as km
+from model.mhc import init_hc_params
 
-from kernels import mhc as km  # noqa: E402
-from model.mhc import init_hc_params  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-    ),
-]
 EPS = {"norm_eps": 1e-20, "hc_eps": 1e-6}
 
 
@@ -48,7 +35,6 @@ def _boundary_inputs(T, D, dtype, device, seed=0):
     return [t.to(device).requires_grad_() for t in ts]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lead", [(5,), (2, 7)])
 def test_split_sinkhorn(device, lead):
     g = torch.Generator().manual_seed(0)
@@ -67,7 +53,6 @@ def test_split_sinkhorn(device, lead):
         _close(a, b, 1e-4)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,T,D", [(torch.float32, 37, 96), (torch.bfloat16, 19, 64), (torch.bfloat16, 3, 160)])
 def test_post_mixes_pre(device, dtype, T, D):
     ins = _boundary_inputs(T, D, dtype, device)
@@ -89,7 +74,6 @@ def test_post_mixes_pre(device, dtype, T, D):
         _close(a, b, rel)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixes_pre_first_boundary(device, dtype):
     f, res, post, comb, pc, fn, scale, base = _boundary_inputs(21, 64, dtype, device)
@@ -106,7 +90,6 @@ def test_mixes_pre_first_boundary(device, dtype):
         _close(a, b, rel)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_partial_grads(device):
     """Only some outputs used (the others' grads materialise as zeros)."""
     ins = _boundary_inputs(9, 64, torch.float32, device)

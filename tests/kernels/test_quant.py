@@ -1,27 +1,13 @@
 """Bit-exact parity of the Triton quantisers (kernels/quant.py) with the torch references (model/quant.py).
 
-On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set here before triton is imported);
+On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set in tests/kernels/conftest.py);
 with a GPU the `gpu`-marked variants run compiled on CUDA (`pytest -m gpu`).
 """
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels import quant as kq  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-    ),
-]
+from kernels import quant as kq
 
 FAKE = {
     "fp8": (kq.fp8_fake_quant, kq.fp8_fake_quant_ref, 32),
@@ -80,7 +66,6 @@ def _ties(block: int, fmt: str, device) -> torch.Tensor:
     return torch.stack(groups).to(torch.bfloat16).to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", list(FAKE))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 64), (2, 5, 96), (257, 32)])
@@ -95,7 +80,6 @@ def test_fake_quant_bit_exact(device, fmt, dtype, shape):
     assert torch.equal(y, ref(x))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", list(FAKE))
 def test_fake_quant_ties(device, fmt):
     tri, ref, block = FAKE[fmt]
@@ -103,7 +87,6 @@ def test_fake_quant_ties(device, fmt):
     assert torch.equal(tri(x), ref(x))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", list(FAKE))
 def test_fake_quant_all_bf16_values(device, fmt):
     """Every finite bf16 bit pattern, shuffled into groups (covers all exponent/mantissa corners)."""
@@ -116,7 +99,6 @@ def test_fake_quant_all_bf16_values(device, fmt):
     assert torch.equal(tri(x), ref(x))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_fake_quant_straight_through(device):
     x = _wide_range((4, 64), torch.bfloat16, device).requires_grad_()
     g = torch.randn(4, 64, dtype=torch.bfloat16, device=device)
@@ -127,7 +109,6 @@ def test_fake_quant_straight_through(device):
         assert torch.equal(gx, g)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", list(PACK))
 @pytest.mark.parametrize("shape,strided", [((4, 64), False), ((3, 2, 128), True), ((129, 32), None)])
 def test_quantize_pack_bit_exact(device, fmt, shape, strided, monkeypatch):
@@ -154,7 +135,6 @@ def test_quantize_pack_bit_exact(device, fmt, shape, strided, monkeypatch):
     assert torch.equal(y, FAKE[fmt][1](x))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", list(PACK))
 def test_quantize_pack_ties(device, fmt):
     code, tri, ref, block = PACK[fmt]
@@ -165,7 +145,6 @@ def test_quantize_pack_ties(device, fmt):
     assert torch.equal(q, rq.view(torch.uint8) if code == kq.FMT_FP8 else kq.pack_e2m1_ref(rq))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_scale_byte_layout(device):
     """Stored scale bytes are the e4m3fn bit pattern / the UE8M0 biased exponent."""
     x = torch.full((1, 32), 3.0, dtype=torch.bfloat16, device=device)
