@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 
+from bench.model_step import build_model  # noqa: E402
 from model.config import ModelArgs, get_flavor  # noqa: E402
 from model.engine import InferenceEngine  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
 
 # (prompt_len, new_tokens) per flavor; debug runs on the default tokenizer so its Engram can hash
 DEFAULTS = {"debug": (64, 32), "tiny": (256, 32), "small": (2048, 128)}
@@ -39,14 +39,7 @@ def _sync(device: torch.device) -> None:
 
 
 def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = Transformer(args)
-    finally:
-        torch.set_default_dtype(prev)
-    model.init_weights()
+    model = build_model(args, device)
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=batch + 1, device=device,
                              max_seq_len=prompt_len + new_tokens + 8)  # fmt: skip
     g = torch.Generator().manual_seed(0)
@@ -69,7 +62,7 @@ def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, prompt
     return {
         "flavor": flavor,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(model.embed.weight.dtype).removeprefix("torch."),
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,

@@ -86,16 +86,20 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
     return next((v * 1e12 for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, seqlen: int, steps: int, peak):
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def build_model(args: ModelArgs, device: torch.device) -> Transformer:
+    """An initialised model in the benchmark dtype (bf16 on CUDA, fp32 on CPU), on `device`."""
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         model = Transformer(args)
     finally:
         torch.set_default_dtype(prev)
     model.init_weights()
-    model.to(device)
+    return model.to(device)
+
+
+def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, seqlen: int, steps: int, peak):
+    model = build_model(args, device)
     ids = torch.randint(0, args.vocab_size, (batch, seqlen + 1), device=device)
     engram_inputs = random_engram_inputs(args, batch, seqlen, device)
 
@@ -119,7 +123,7 @@ def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, seqlen
     return {
         "flavor": flavor,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(model.embed.weight.dtype).removeprefix("torch."),
         "batch": batch,
         "seqlen": seqlen,
         "step_ms": round(step_s * 1e3, 2),
