@@ -24,40 +24,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from sympy import isprime
 from torch import nn
 
-from model.config import ModelArgs
+from model.config import ModelArgs, engram_primes
 
 DEAD = -1  # compressed id of a position that takes part in no n-gram (image span)
 GATE_CLAMP = 1e-6  # |dot| floor before the signed square root (reference `clamp_value`)
 
 
-def find_next_prime(start: int, seen: set[int]) -> int:
-    """The smallest prime above `start` not handed out yet."""
-    candidate = start + 1
-    while candidate in seen or not isprime(candidate):
-        candidate += 1
-    return candidate
-
-
 @lru_cache(maxsize=8)
 def _primes(engram_vocab_size: int, n_layers: int, n_orders: int, n_heads: int) -> tuple:
-    # Each (layer, order) restarts the search at engram_vocab_size - 1 and skips primes already
-    # given out, so the sequence is the successive primes above it, layer → order → head.
-    seen: set[int] = set()
-    layers = []
-    for _ in range(n_layers):
-        orders = []
-        for _ in range(n_orders):
-            heads, current = [], engram_vocab_size - 1
-            for _ in range(n_heads):
-                current = find_next_prime(current, seen)
-                seen.add(current)
-                heads.append(current)
-            orders.append(tuple(heads))
-        layers.append(tuple(orders))
-    return tuple(layers)
+    """primes[layer][order - 2][head]: the successive primes above engram_vocab_size - 1 handed out
+    layer → order → head (model/config.py's engram_primes, the one generator of that sequence)."""
+    flat = engram_primes(engram_vocab_size, n_heads, n_orders + 1, n_layers)
+    return tuple(tuple(tuple(layer[o * n_heads : (o + 1) * n_heads]) for o in range(n_orders)) for layer in flat)
 
 
 @dataclass(frozen=True)
@@ -81,9 +61,7 @@ class EngramLayout:
 def engram_layout(args: ModelArgs) -> EngramLayout:
     """The layout of `args`, checked against `engram_num_embeddings` (no table is allocated)."""
     if not args.engram_layer_ids or args.engram_max_ngram_size < 2 or args.engram_n_heads < 1:
-        raise ValueError(
-            "Engram is off: needs engram_layer_ids, engram_max_ngram_size >= 2, engram_n_heads >= 1"
-        )
+        raise ValueError("Engram is off: needs engram_layer_ids, engram_max_ngram_size >= 2, engram_n_heads >= 1")
     primes = _primes(
         args.engram_vocab_size,
         len(args.engram_layer_ids),
@@ -103,15 +81,12 @@ def engram_layout(args: ModelArgs) -> EngramLayout:
     )
 
 
-def compute_hash_multipliers(
-    layer_ids: tuple[int, ...], max_ngram_size: int, compressed_vocab_size: int
-) -> np.ndarray:
+def compute_hash_multipliers(layer_ids: tuple[int, ...], max_ngram_size: int, compressed_vocab_size: int) -> np.ndarray:
     """[n_layers, max_ngram_size] int64, odd, one row per layer from PCG64 seeded 10007·layer_id;
     bounded so that compressed id × multiplier cannot overflow int64."""
     bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
     rows = [
-        np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2
-        + 1
+        np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
         for layer_id in layer_ids
     ]
     return np.stack(rows)
@@ -194,9 +169,7 @@ class EngramHasher:
         """
         ids = _to_numpy(input_ids, np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self.token_map)):
-            raise ValueError(
-                f"token ids must be in [0, {len(self.token_map)}) for this tokenizer's Engram map"
-            )
+            raise ValueError(f"token ids must be in [0, {len(self.token_map)}) for this tokenizer's Engram map")
         comp = self.token_map[ids]
         if image_mask is not None:
             comp = np.where(_to_numpy(image_mask, bool), DEAD, comp)
@@ -251,19 +224,13 @@ class Engram(nn.Module):
         self.dim, self.hc_mult, self.eps = args.dim, args.hc_mult, args.norm_eps
         self.n_hash_cols = layout.n_hash_cols
         # sparse: a step touches S·n_hash_cols rows of a table that may hold ~4e8 of them
-        self.embed = nn.Embedding(
-            layout.num_embeddings[self.layer_hash_index], args.engram_head_dim, sparse=True
-        )
-        self.wkv = nn.Linear(
-            self.n_hash_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1), bias=False
-        )
+        self.embed = nn.Embedding(layout.num_embeddings[self.layer_hash_index], args.engram_head_dim, sparse=True)
+        self.wkv = nn.Linear(self.n_hash_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1), bias=False)
         # only the product q_weight ⊙ k_weight is used; both exist to load official checkpoints
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.dim))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.dim))
 
-    def forward(
-        self, h: torch.Tensor, hashes: torch.Tensor, engram_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, hashes: torch.Tensor, engram_mask: torch.Tensor | None = None) -> torch.Tensor:
         """h [B,S,hc,D]; hashes [B,S,n_hash_cols] for this layer, or [B,S,n_engram_layers,
         n_hash_cols] from EngramHasher (this layer's slice is taken); engram_mask [B,S] bool,
         False (image spans) closes the gate. Returns h + gate·value in h's dtype."""
@@ -286,5 +253,5 @@ class Engram(nn.Module):
 
 __all__ = [
     "DEAD", "Engram", "EngramHasher", "EngramLayout", "build_compressed_token_map",
-    "compute_hash_multipliers", "engram_layout", "find_next_prime",
+    "compute_hash_multipliers", "engram_layout",
 ]  # fmt: skip
