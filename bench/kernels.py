@@ -1,6 +1,6 @@
 """Benchmark of the Triton kernels against their torch references, one JSON line per measurement.
 
-    python bench/kernels.py [--quick] [--only quant,mhc,attn]
+    python bench/kernels.py [--quick] [--only quant,mhc,attn,moe,step]
 
 For each kernel, in one process on one GPU: Triton time (best of a small tile sweep), the torch
 reference eager and under `torch.compile`, achieved GB/s (bytes the op must move) or TFLOP/s, and
@@ -133,10 +133,10 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     from kernels import quant as kq
 
     n, shape = x.numel(), tuple(x.shape)
-    qdq_cfgs = [{"rows": 128, "num_warps": 4}, {"rows": 64, "num_warps": 4}, {"rows": 256, "num_warps": 8}]
-    pack_cfgs = [{"rows": 128, "num_warps": 4, "strided": st} for st in (False, True)] + [
-        {"rows": 64, "num_warps": 4, "strided": False}
-    ]
+    qdq_cfgs = [{"rows": 128, "num_warps": 4}, {"rows": 256, "num_warps": 4}, {"rows": 256, "num_warps": 8},
+                {"rows": 512, "num_warps": 8}]  # fmt: skip
+    pack_cfgs = [{"pairs": True, "rows_pairs": r, "num_warps": w} for r, w in ((128, 4), (256, 4), (512, 4), (512, 8))]
+    pack_cfgs += [{"pairs": False, "rows": 128, "num_warps": 4, "strided": st} for st in (False, True)]
     default = dict(kq.CONFIG)
 
     def sweep_of(fn, cfgs):
@@ -184,7 +184,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
 def bench_quant(copy_bw: float, quick: bool) -> None:
     from kernels import quant as kq
 
-    shapes = [(8192, 4096)] if quick else [(16384, 4096)]  # 64 / 128 MiB of bf16
+    shapes = [(16384, 4096)]  # 128 MiB of bf16
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         for name, tri, ref, fmt, block in [
@@ -271,6 +271,12 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
 def bench_attn(copy_bw: float, quick: bool) -> None:
 
     configs = [
+        {"kernel": "decode_t", "BH": 32, "BK": 64, "num_warps": 8, "num_stages": 2},
+        {"kernel": "decode_t", "BH": 32, "BK": 64, "num_warps": 4, "num_stages": 2},
+        {"kernel": "decode_t", "BH": 32, "BK": 32, "num_warps": 4, "num_stages": 3},
+        {"kernel": "decode_t", "BH": 64, "BK": 64, "num_warps": 8, "num_stages": 2},
+        {"kernel": "decode_t", "BH": 64, "BK": 32, "num_warps": 8, "num_stages": 3},
+        {"kernel": "decode_t", "BH": 16, "BK": 64, "num_warps": 4, "num_stages": 2},
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
         {"BH": 64, "BK": 32, "BDK": 64, "DV": 256, "num_warps": 4, "num_stages": 2},
@@ -282,10 +288,12 @@ def bench_attn(copy_bw: float, quick: bool) -> None:
     ]
     cases = [("decode", 64, 1, 2048)] + ([] if quick else [("train_fwd", 1, 2048, 4096)])
     for name, B, M, N in cases:
-        _bench_attn_case(name, B, M, N, configs, copy_bw)
+        cfgs = configs if name == "decode" else [c for c in configs if "kernel" not in c]
+        _bench_attn_case(name, B, M, N, cfgs, copy_bw)
         torch.cuda.empty_cache()
-    _bench_attn_bwd(1024 if quick else 2048, copy_bw)
-    torch.cuda.empty_cache()
+    if not quick:  # --quick: the decode case only
+        _bench_attn_bwd(2048, copy_bw)
+        torch.cuda.empty_cache()
 
 
 def _bench_attn_bwd(M, copy_bw):
@@ -347,10 +355,161 @@ def _bench_attn_case(name, B, M, N, configs, copy_bw):
     _compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, **meta)
 
 
+def bench_moe(copy_bw: float, quick: bool) -> None:
+    """Grouped expert GEMMs at `small` sizes (D 1024, F 512, 32 experts top-4, 8192 tokens) against the
+    per-expert torch loop and dense cuBLAS bf16 GEMMs of the same FLOPs ([N, D] @ [D, 2F], [N, F] @ [F, D])."""
+    from kernels import moe as km
+
+    T, D, Fi, E, K = 8192, 1024, 512, 32, 4
+    N, dt, dev = T * K, torch.bfloat16, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, D, device=dev, dtype=dt, generator=g).requires_grad_()
+    idx = torch.randn(T, E, device=dev, generator=g).topk(K, dim=-1).indices.sort(-1).values
+    wgt = (torch.rand(T, K, device=dev, generator=g) + 0.5).requires_grad_()
+    mk = lambda *shape, fan: (torch.randn(*shape, device=dev, dtype=dt, generator=g) * fan**-0.5).requires_grad_()
+    w1s, w3s, w2s = (
+        [mk(Fi, D, fan=D) for _ in range(E)],
+        [mk(Fi, D, fan=D) for _ in range(E)],
+        [mk(D, Fi, fan=Fi) for _ in range(E)],
+    )
+    leaves = [x, wgt, *w1s, *w3s, *w2s]
+    dy = torch.randn(T, K, D, device=dev, dtype=dt, generator=g)
+    args = (x, wgt, idx, w1s, w3s, w2s, 10.0)
+    flops_fwd = 6.0 * N * D * Fi
+    y_ref = km.moe_ref(*args)
+    g_ref = torch.autograd.grad(y_ref, leaves, dy)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    # dense cuBLAS with the same FLOPs
+    xd = torch.randn(N, D, device=dev, dtype=dt, generator=g).requires_grad_()
+    w13d = mk(D, 2 * Fi, fan=D)
+    w2d = mk(Fi, D, fan=Fi)
+    dyd = torch.randn(N, D, device=dev, dtype=dt, generator=g)
+    dense_fwd = lambda: torch.mm(torch.mm(xd, w13d)[:, :Fi], w2d)
+    dense_fb = lambda: torch.autograd.grad(torch.mm(torch.mm(xd, w13d)[:, :Fi], w2d), (xd, w13d, w2d), dyd)
+    dense_fwd_ms, dense_fb_ms = _bench(dense_fwd), _bench(dense_fb)
+    _emit({"kernel": "moe_dense_cublas_same_flops", "fwd": _rates(dense_fwd_ms, flops=flops_fwd),
+           "fwd_bwd": _rates(dense_fb_ms, flops=3 * flops_fwd)})  # fmt: skip
+
+    fwd = lambda: km.moe_experts(*args)
+    fwd_bwd = lambda: torch.autograd.grad(km.moe_experts(*args), leaves, dy)
+    cands = {
+        "up": [
+            {"BM": 128, "BN": 64, "BK": 64, "num_warps": 8, "num_stages": 4},
+            {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
+            {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+            {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+        ],
+        "down": [
+            {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
+            {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
+            {"BM": 128, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+            {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+        ],
+    }
+    cands["dh"] = cands["up"]
+    cands["dx"] = cands["down"]
+    cands["wgrad"] = cands["down"]
+    # greedy per-kernel search: the forward kernels timed on the forward, the backward ones on fwd+bwd
+    for role in () if quick else ("up", "down", "dh", "dx", "wgrad"):  # --quick: the CONFIG as is
+        best = None
+        for cfg in cands[role]:
+            km.CONFIG[role] = cfg
+            fn = fwd if role in ("up", "down") else fwd_bwd
+            try:
+                fn()
+                ms = _bench(fn)
+            except Exception as e:
+                _emit({"kernel": f"moe_{role}", "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            _emit({"kernel": f"moe_{role}", "config": cfg, "sweep": True, "ms": round(ms, 5)})
+            if best is None or ms < best[1]:
+                best = (cfg, ms)
+        km.CONFIG[role] = best[0]
+    y = fwd()
+    gs = fwd_bwd()
+    check = {"y_rel_err": rel(y, y_ref), "grad_rel_err_max": max(rel(a, b) for a, b in zip(gs, g_ref))}
+    rec = {"kernel": "moe_grouped_fwd", "T": T, "D": D, "F": Fi, "E": E, "K": K, "config": dict(km.CONFIG), **check}
+    for name, tri, ref, dense_ms, fl in (("moe_grouped_fwd", fwd, lambda: km.moe_ref(*args), dense_fwd_ms, flops_fwd),
+                                         ("moe_grouped_fwd_bwd", fwd_bwd,
+                                          lambda: torch.autograd.grad(km.moe_ref(*args), leaves, dy), dense_fb_ms,
+                                          3 * flops_fwd)):  # fmt: skip
+        ms, ref_ms = _bench(tri), _bench(ref)
+        rec.update({"kernel": name, "triton": _rates(ms, flops=fl), "torch_eager": _rates(ref_ms, flops=fl)})
+        rec.update({"speedup_vs_eager": round(ref_ms / ms, 2), "frac_of_dense_cublas": round(dense_ms / ms, 3)})
+        _emit(rec)
+        rec = {"T": T, "D": D, "F": Fi, "E": E, "K": K}
+    # where the time goes: GPU time per kernel over 5 fwd+bwd calls vs the wall time of those calls
+    from torch.profiler import ProfilerActivity, profile
+
+    # (in isolation the wall time is bound by the host: launches and autograd over 96 weight leaves)
+    cases = (("fwd", fwd, flops_fwd, dense_fwd_ms), ("fwd_bwd", fwd_bwd, 3 * flops_fwd, dense_fb_ms))
+    for name, fn, fl, dense_ms in cases:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+        per_call = {e.key[:60]: round(e.device_time_total / 5, 1) for e in rows}
+        gpu_us = sum(e.device_time_total for e in prof.key_averages()) / 5
+        _emit({"kernel": f"moe_{name}_gpu_time", "per_call_us": per_call, "gpu_us_per_call": round(gpu_us, 1),
+               "TFLOP_s_on_gpu_time": round(fl / (gpu_us * 1e-6) / 1e12, 1),
+               "frac_of_dense_cublas_gpu_time": round(dense_ms * 1e3 / gpu_us, 3)})  # fmt: skip
+
+
+def bench_step(copy_bw: float, quick: bool) -> None:
+    """One `small` training step (batch 1 x 4096, bench/model_step.py's loss) with impl torch and
+    impl triton on the same weights and tokens: step time and the two losses."""
+    import time
+
+    import torch.nn.functional as F
+
+    from bench.model_step import random_engram_inputs
+    from model.config import get_flavor
+    from model.transformer import Transformer
+
+    torch.manual_seed(0)
+    seqlen = 2048 if quick else 4096
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:  # built and initialised on the GPU (a CPU init of 1.4B parameters takes minutes)
+        with torch.device("cuda"):
+            models = {impl: Transformer(get_flavor("small", impl=impl)) for impl in ("torch", "triton")}
+            models["torch"].init_weights()
+    finally:
+        torch.set_default_dtype(prev)
+    models["triton"].load_state_dict(models["torch"].state_dict())
+    ids = torch.randint(0, models["torch"].args.vocab_size, (1, seqlen + 1), device="cuda")
+    engram_inputs = random_engram_inputs(models["torch"].args, 1, seqlen, torch.device("cuda"))
+    rec = {"kernel": "small_train_step", "batch": 1, "seqlen": seqlen}
+    for impl, model in models.items():
+
+        def step(model=model):
+            out = model(ids[:, :-1], engram_inputs=engram_inputs)
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten()) + out.indexer_loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        loss = step().item()
+        step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = 3 if quick else 5
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        rec[impl] = {"step_ms": round((time.perf_counter() - t0) / n * 1e3, 2), "loss": round(loss, 5)}
+    rec["speedup"] = round(rec["torch"]["step_ms"] / rec["triton"]["step_ms"], 3)
+    _emit(rec)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer cases")
-    ap.add_argument("--only", default="quant,mhc,attn")
+    ap.add_argument("--only", default="quant,mhc,attn,moe")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "bench/kernels.py needs a CUDA GPU"}))
@@ -360,7 +519,14 @@ def main() -> None:
     _emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__})
     copy_bw = copy_bandwidth()
     only = set(args.only.split(","))
-    for name, fn in (("quant", bench_quant), ("attn", bench_attn), ("mhc", bench_mhc)):
+    benches = (
+        ("moe", bench_moe),
+        ("quant", bench_quant),
+        ("attn", bench_attn),
+        ("mhc", bench_mhc),
+        ("step", bench_step),
+    )
+    for name, fn in benches:
         if name in only:
             try:
                 fn(copy_bw, args.quick)

@@ -90,7 +90,9 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # the quantisers, "rows_dequant" for the unpack kernel, warps per program, and "strided": how the
 # FP4 pack kernel splits even / odd elements (None = per format: stride-2 loads for E4M3/16, which
 # measured 13% faster there, one load + tl.split for MXFP4, where stride-2 measured 1.7x slower).
-CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None}
+# "pairs": FP4 packing reads (even, odd) pairs as one 32/64-bit word (_fp4_pack_pairs_kernel) with
+# "rows_pairs" groups per program; False keeps the element kernel (_quant_pack_kernel).
+CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256}
 # Under TRITON_INTERPRET=1 the fp8 / bf16 casts are emulated on the bits (the interpreter's own casts
 # truncate); compiled for the GPU the hardware RNE-satfinite conversions are used. Both round to
 # nearest-even, which the parity tests check with torch.equal on each side.
@@ -187,23 +189,6 @@ def _pow2_inv(s):
 
 
 @triton.jit
-def _e2m1_round_mag(mag):
-    """|v| clamped to [0, 6] -> nearest E2M1 magnitude, ties to even. The grid step is 0.5 on [0, 2),
-    1 on [2, 4), 2 on [4, 6]; an even multiple of the step is an even code, so RNE of mag/step to an
-    integer (the 1.5·2^23 trick, exact for |t| < 2^22; needs no FMA/reassociation) is the E2M1 rule."""
-    inv_step = tl.where(mag < 2.0, 2.0, tl.where(mag < 4.0, 1.0, 0.5))
-    t = mag * inv_step
-    t = (t + 12582912.0) - 12582912.0
-    return t * tl.where(mag < 2.0, 0.5, tl.where(mag < 4.0, 1.0, 2.0))
-
-
-@triton.jit
-def _e2m1_code_of_rounded(r):
-    """Exact E2M1 magnitude r -> 3-bit code: 0..1.5 -> 2r, 2..3 -> r + 2, 4..6 -> r/2 + 4."""
-    return tl.where(r < 2.0, r * 2.0, tl.where(r < 4.0, r + 2.0, r * 0.5 + 4.0)).to(tl.int32)
-
-
-@triton.jit
 def _e2m1_mag_of_code(c):
     """3-bit E2M1 code (int32) -> magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} (fp32)."""
     hi = tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
@@ -242,25 +227,51 @@ def _scale_byte(s, FMT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_qdq(v):
+def _e2m1_parts(v, SNAP: tl.constexpr):
+    """|v| clamped to 6 (snapped to a multiple of 2^-14 with SNAP, see _scaled), then the two RNE
+    roundings on the bits: 2·mag to an integer (E2M1 subnormals, step 0.5 below 1) via the 1.5·2^23
+    trick, and mag to one mantissa bit (E2M1 normals, mag >= 1) by adding 0x1FFFFF plus the kept bit.
+    Fewer instructions than a step-size search: the quantisers are issue-bound at HBM speed."""
+    mag = tl.minimum(tl.abs(v), 6.0)
+    if SNAP:
+        mag = (mag + 768.0) - 768.0
+    small = mag * 2.0 + 12582912.0
+    bits = mag.to(tl.int32, bitcast=True)
+    rb = bits + 0x1FFFFF + ((bits >> 22) & 1)
+    return mag, small, rb
+
+
+@triton.jit
+def _e2m1_qdq(v, SNAP: tl.constexpr):
     """x/s (fp32) -> rounded E2M1 value (fp32), sign kept (also of zero), magnitude clamped to 6."""
-    r = _e2m1_round_mag(tl.minimum(tl.abs(v), 6.0))
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)
+    mag, small, rb = _e2m1_parts(v, SNAP)
+    r = tl.where(mag < 1.0, (small - 12582912.0) * 0.5, (rb & -4194304).to(tl.float32, bitcast=True))
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e2m1_code(v):
-    """x/s (fp32) -> 4-bit E2M1 code (bit 3 = sign bit of v)."""
-    r = _e2m1_round_mag(tl.minimum(tl.abs(v), 6.0))
-    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.int32)
-    return _e2m1_code_of_rounded(r) | (sign << 3)
+def _e2m1_code(v, SNAP: tl.constexpr):
+    """x/s (fp32) -> 4-bit E2M1 code (bit 3 = sign bit of v): 2·mag below 1, else
+    (exponent << 1 | mantissa bit) - 252 of the rounded value."""
+    mag, small, rb = _e2m1_parts(v, SNAP)
+    c = tl.where(mag < 1.0, small.to(tl.int32, bitcast=True) & 3, (rb >> 22) - 252)
+    return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
-def _scaled(x, s_R, FMT: tl.constexpr):
-    """x [R, B] / s [R] exactly: a multiply by the exact reciprocal for power-of-two (UE8M0) scales,
-    an IEEE division for E4M3 scales."""
-    if FMT == 1:
+def _scaled(x, s_R, FMT: tl.constexpr, RECIP: tl.constexpr):
+    """x [R, B] / s [R]: a multiply by the exact reciprocal for power-of-two (UE8M0) scales; for E4M3
+    scales an IEEE division, or with RECIP (16-bit x, E2M1 targets only) x·fl(1/s), whose E2M1
+    rounding after SNAP equals that of x/s: x has <= 11 significant bits and t·s <= 7 bits for a tie
+    t of the grid (1, 3, 5 or 7 times a power of two) times s (4 bits), so x ≠ t·s means
+    |x/s - t| >= 2^-11·t >= 2^-13 (ties are >= 0.25), while x·fl(1/s) is within 6·2^-22 of x/s: snapping
+    |v| <= 6 to the nearest multiple of 2^-14 puts exact ties back on the tie and moves nothing across
+    one. One division per group instead of one per element."""
+    if FMT == 1 and RECIP:
+        r_R = tl.math.div_rn(tl.full(s_R.shape, 1.0, tl.float32), s_R)
+        v = x * r_R[:, None]
+    elif FMT == 1:
         v = tl.math.div_rn(x, tl.broadcast_to(s_R[:, None], x.shape))
     else:
         v = x * _pow2_inv(s_R)[:, None]
@@ -280,11 +291,12 @@ def _qdq_kernel(x_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, 
     mask_RB = (g_R < n_groups)[:, None]
     x_RB = tl.load(x_ptr + offs_RB, mask=mask_RB, other=0.0).to(tl.float32)
     s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT)
-    v_RB = _scaled(x_RB, s_R, FMT)
+    RECIP: tl.constexpr = FMT == 1 and x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    v_RB = _scaled(x_RB, s_R, FMT, RECIP)
     if FMT == 0:
         q_RB = _round_e4m3(tl.minimum(tl.maximum(v_RB, -448.0), 448.0))
     else:
-        q_RB = _e2m1_qdq(v_RB)
+        q_RB = _e2m1_qdq(v_RB, RECIP)
     tl.store(y_ptr + offs_RB, cast_rne(q_RB * s_R[:, None], y_ptr.dtype.element_ty), mask=mask_RB)
 
 
@@ -299,19 +311,20 @@ def _quant_pack_kernel(
     g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mask_R = g_R < n_groups
     HALF: tl.constexpr = BLOCK // 2
+    RECIP: tl.constexpr = FMT == 1 and x_ptr.dtype.element_ty.primitive_bitwidth == 16
     if FMT != 0 and STRIDED:
         offs_RH = g_R[:, None] * BLOCK + 2 * tl.arange(0, HALF)[None, :]
         even_RH = tl.load(x_ptr + offs_RH, mask=mask_R[:, None], other=0.0).to(tl.float32)
         odd_RH = tl.load(x_ptr + offs_RH + 1, mask=mask_R[:, None], other=0.0).to(tl.float32)
         amax_R = tl.maximum(tl.max(tl.abs(even_RH), axis=1), tl.max(tl.abs(odd_RH), axis=1))
         s_R = _group_scale(amax_R, FMT)
-        even_RH = _scaled(even_RH, s_R, FMT)
-        odd_RH = _scaled(odd_RH, s_R, FMT)
+        even_RH = _scaled(even_RH, s_R, FMT, RECIP)
+        odd_RH = _scaled(odd_RH, s_R, FMT, RECIP)
     else:
         offs_RB = g_R[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         x_RB = tl.load(x_ptr + offs_RB, mask=mask_R[:, None], other=0.0).to(tl.float32)
         s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT)
-        v_RB = _scaled(x_RB, s_R, FMT)
+        v_RB = _scaled(x_RB, s_R, FMT, RECIP)
     tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
     if FMT == 0:
         code_RB = _e4m3_byte(tl.minimum(tl.maximum(v_RB, -448.0), 448.0))
@@ -319,9 +332,41 @@ def _quant_pack_kernel(
     else:
         if not STRIDED:
             even_RH, odd_RH = tl.split(tl.reshape(v_RB, (ROWS, HALF, 2)))
-        byte_RH = _e2m1_code(even_RH) | (_e2m1_code(odd_RH) << 4)
+        byte_RH = _e2m1_code(even_RH, RECIP) | (_e2m1_code(odd_RH, RECIP) << 4)
         offs_RH = g_R[:, None] * HALF + tl.arange(0, HALF)[None, :]
         tl.store(q_ptr + offs_RH, byte_RH.to(tl.uint8), mask=mask_R[:, None])
+
+
+@triton.jit
+def _fp4_pack_pairs_kernel(
+    xw_ptr, q_ptr, s_ptr, n_groups,
+    FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SRC: tl.constexpr,
+):  # fmt: skip
+    """FP4 quantise+pack reading each (even, odd) element pair as one word: x viewed as int32 (SRC 0:
+    bf16 pairs, 1: fp16 pairs) or int64 (SRC 2: fp32 pairs), so every load is a full coalesced
+    vector and the pair splits with integer shifts (no shuffles); one output byte per word."""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mask_R = g_R < n_groups
+    HALF: tl.constexpr = BLOCK // 2
+    offs_RH = g_R[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    w_RH = tl.load(xw_ptr + offs_RH, mask=mask_R[:, None], other=0)
+    if SRC == 0:
+        even_RH = (w_RH << 16).to(tl.float32, bitcast=True)
+        odd_RH = (w_RH & -65536).to(tl.float32, bitcast=True)
+    elif SRC == 1:
+        even_RH = (w_RH & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd_RH = (w_RH >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        even_RH = (w_RH & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        odd_RH = (w_RH >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    RECIP: tl.constexpr = FMT == 1 and SRC != 2
+    amax_R = tl.maximum(tl.max(tl.abs(even_RH), axis=1), tl.max(tl.abs(odd_RH), axis=1))
+    s_R = _group_scale(amax_R, FMT)
+    tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
+    byte_RH = _e2m1_code(_scaled(even_RH, s_R, FMT, RECIP), RECIP)
+    byte_RH |= _e2m1_code(_scaled(odd_RH, s_R, FMT, RECIP), RECIP) << 4
+    tl.store(q_ptr + offs_RH, byte_RH.to(tl.uint8), mask=mask_R[:, None])
 
 
 @triton.jit
@@ -399,11 +444,23 @@ def quantize_packed(x: torch.Tensor, fmt: int, block: int | None = None) -> tupl
     codes_n = n if fmt == FMT_FP8 else n // 2
     q = torch.empty(*x.shape[:-1], codes_n, dtype=torch.uint8, device=x.device)
     s = torch.empty(*x.shape[:-1], n // block, dtype=torch.uint8, device=x.device)
-    if n_groups:
-        rows = CONFIG["rows"]
-        strided = CONFIG["strided"] if CONFIG["strided"] is not None else fmt == FMT_FP4_E4M3
-        grid = (triton.cdiv(n_groups, rows),)
-        _quant_pack_kernel[grid](x, q, s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, STRIDED=strided, **_launch_opts())
+    if not n_groups:
+        return q, s
+    if fmt != FMT_FP8 and CONFIG["pairs"]:
+        src = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
+        try:
+            xw = x.view(torch.int64 if src == 2 else torch.int32)
+        except RuntimeError:  # storage offset not pair-aligned: the element kernel below
+            xw = None
+        if xw is not None:
+            rows = CONFIG["rows_pairs"]
+            grid = (triton.cdiv(n_groups, rows),)
+            _fp4_pack_pairs_kernel[grid](xw, q, s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, SRC=src, **_launch_opts())
+            return q, s
+    rows = CONFIG["rows"]
+    strided = CONFIG["strided"] if CONFIG["strided"] is not None else fmt == FMT_FP4_E4M3
+    grid = (triton.cdiv(n_groups, rows),)
+    _quant_pack_kernel[grid](x, q, s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, STRIDED=strided, **_launch_opts())
     return q, s
 
 

@@ -4,7 +4,9 @@ Routing: sqrt(softplus) scores (softmax/sigmoid also available), top-k selected 
 correction bias (`bias`, or `bias_vl` for image-span tokens), weights from the unbiased scores.
 The MoE groups tokens by expert and runs each expert on its own tokens only. Also here: the
 DeepSeek-V3 sequence-wise balance loss and the aux-loss-free bias update, as pure functions.
-Not here: expert parallelism, fp8/fp4 weight storage, and grouped-GEMM kernels.
+With `impl: triton` the routed experts run as grouped GEMMs (kernels/moe.py, one launch per GEMM for
+all experts, no host sync); the loop below stays the reference. Not here: expert parallelism and
+fp8/fp4 weight storage.
 
 Shape legend: T tokens (B·S flattened), D model dim, F expert inter dim, E routed experts,
 K experts per token, N = T·K token-expert assignments, B batch, S sequence.
@@ -157,6 +159,12 @@ class MoE(nn.Module):
             Expert(args.dim, args.moe_inter_dim, args.swiglu_limit) for _ in range(self.n_routed_experts)
         )
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+        self.swiglu_limit = args.swiglu_limit
+        self.grouped_experts = None
+        if args.impl == "triton":
+            from kernels.moe import moe_experts  # chosen at construction (STYLE rule 13)
+
+            self.grouped_experts = moe_experts
 
     def forward(
         self, x: torch.Tensor, image_mask: torch.Tensor | None = None
@@ -165,29 +173,21 @@ class MoE(nn.Module):
         routed with `bias_vl`) or None. Returns (y like x, RouterStats)."""
         lead = x.shape[:-1]
         x_TD = x.reshape(-1, self.dim)
-        T, K, E = x_TD.size(0), self.n_activated_experts, self.n_routed_experts
+        K, E = self.n_activated_experts, self.n_routed_experts
         mask_T = None if image_mask is None else image_mask.reshape(-1)
         weights_TK, topk_idx_TK, scores_TE = self.gate(x_TD, mask_T)
 
-        # Group the N = T·K assignments by expert (stable, so each expert sees its tokens in order)
         expert_N = topk_idx_TK.flatten()
-        order_N = expert_N.argsort(stable=True)
-        token_N = order_N // K
-        counts_E = torch.bincount(expert_N, minlength=E)
-        x_ND = x_TD.index_select(0, token_N)
-        w_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(-1)
-        outs, start = [], 0
-        for e, n in enumerate(counts_E.tolist()):  # one host sync per call
-            if n:
-                outs.append(self.experts[e](x_ND[start : start + n], w_N1[start : start + n]))
-                start += n
-        y_ND = torch.cat(outs, dim=0) if outs else x_ND.new_zeros(0, self.dim)
-
-        # Back to (token, slot) order, then sum a token's K outputs in fp32, ascending expert id.
-        # A gather plus a K-step sum instead of index_add_: deterministic on GPU (no atomics).
-        inverse_N = torch.empty_like(order_N)
-        inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-        y_TKD = y_ND.index_select(0, inverse_N).view(T, K, self.dim)
+        # scatter_add, not bincount: CUDA bincount syncs with the host (the Triton path has no other sync)
+        counts_E = x.new_zeros(E, dtype=torch.int64).scatter_add_(0, expert_N, torch.ones_like(expert_N))
+        if self.grouped_experts is not None:
+            y_TKD = self.grouped_experts(
+                x_TD, weights_TK, topk_idx_TK, [ex.w1.weight for ex in self.experts],
+                [ex.w3.weight for ex in self.experts], [ex.w2.weight for ex in self.experts], self.swiglu_limit,
+            )  # fmt: skip
+        else:
+            y_TKD = self._experts_loop(x_TD, weights_TK, expert_N, counts_E)
+        # sum a token's K outputs in fp32, ascending expert id
         y_TD = y_TKD[:, 0].float()
         for k in range(1, K):
             y_TD = y_TD + y_TKD[:, k].float()
@@ -201,6 +201,26 @@ class MoE(nn.Module):
             scores=scores_TE.view(*lead, E),
         )
         return y_TD.to(x.dtype).view(x.shape), stats
+
+    def _experts_loop(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_N: torch.Tensor, counts_E: torch.Tensor
+    ) -> torch.Tensor:
+        """Reference path: group the N = T·K assignments by expert (stable, so each expert sees its
+        tokens in order), run each expert on its rows, return the [T, K, D] slot outputs."""
+        T, K = weights_TK.shape
+        order_N = expert_N.argsort(stable=True)
+        x_ND = x_TD.index_select(0, order_N // K)
+        w_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(-1)
+        outs, start = [], 0
+        for e, n in enumerate(counts_E.tolist()):  # one host sync per call
+            if n:
+                outs.append(self.experts[e](x_ND[start : start + n], w_N1[start : start + n]))
+                start += n
+        y_ND = torch.cat(outs, dim=0) if outs else x_ND.new_zeros(0, self.dim)
+        # Back to (token, slot) order: a gather instead of index_add_, deterministic on GPU (no atomics).
+        inverse_N = torch.empty_like(order_N)
+        inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+        return y_ND.index_select(0, inverse_N).view(T, K, self.dim)
 
 
 def sequence_balance_loss(

@@ -110,12 +110,26 @@ def test_fake_quant_straight_through(device):
 
 
 @pytest.mark.parametrize("fmt", list(PACK))
-@pytest.mark.parametrize("shape,strided", [((4, 64), False), ((3, 2, 128), True), ((129, 32), None)])
-def test_quantize_pack_bit_exact(device, fmt, shape, strided, monkeypatch):
-    monkeypatch.setitem(kq.CONFIG, "strided", strided)  # both even/odd paths of the fp4 pack (None: auto)
+@pytest.mark.parametrize(
+    "shape,path,dtype",
+    [
+        ((4, 64), "split", torch.bfloat16),
+        ((3, 2, 128), "strided", torch.bfloat16),
+        ((129, 32), "pairs", torch.bfloat16),
+        ((5, 64), "pairs", torch.float16),
+        ((3, 96), "pairs", torch.float32),
+        ((6, 32), "strided", torch.float16),
+    ],
+)
+def test_quantize_pack_bit_exact(device, fmt, shape, path, dtype, monkeypatch):
+    # every fp4 pack path: one load + tl.split, stride-2 loads, (even, odd) pairs as one word
+    monkeypatch.setitem(kq.CONFIG, "strided", path == "strided")
+    monkeypatch.setitem(kq.CONFIG, "pairs", path == "pairs")
     code, tri, ref, block = PACK[fmt]
-    x = torch.cat([_wide_range(shape, torch.bfloat16, device).view(-1, shape[-1])])
-    x = x.view(shape)
+    if dtype == torch.float16:
+        x = _wide_range(shape, torch.float32, device).clamp(-6e4, 6e4).to(dtype)
+    else:
+        x = _wide_range(shape, dtype, device)
     q, s = tri(x)
     rq, rs = ref(x)
     assert s.dtype == torch.uint8 and s.shape == rs.shape
@@ -132,7 +146,7 @@ def test_quantize_pack_bit_exact(device, fmt, shape, strided, monkeypatch):
         y = kq.dequantize_fp4_packed(q, s, "e4m3" if code == kq.FMT_FP4_E4M3 else "ue8m0")
     assert torch.equal(y, y_ref)
     # the packed round trip is the fake quant, bit for bit
-    assert torch.equal(y, FAKE[fmt][1](x))
+    assert torch.equal(y, FAKE[fmt][1](x).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", list(PACK))
@@ -154,3 +168,39 @@ def test_scale_byte_layout(device):
     assert s4.tolist() == [[0x30, 0x30]]
     q, smx = kq.quantize_mxfp4_packed(x)  # 3/6 -> 2^-1 -> byte 126; 3/0.5 = 6 -> code 7 -> 0x77
     assert smx.tolist() == [[126]] and q.unique().tolist() == [0x77]
+
+
+@pytest.mark.parametrize("fmt", ["fp4_e4m3", "mxfp4"])
+def test_quantize_pack_all_bf16_values(device, fmt):
+    """Every finite bf16 bit pattern through the FP4 pack (the reciprocal + snap path of E4M3/16)."""
+    code, tri, ref, block = PACK[fmt]
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(2))]
+    x = x[: x.numel() // block * block].view(-1, block).to(device)
+    q, s = tri(x)
+    rq, rs = ref(x)
+    assert torch.equal(kq.scale_bytes_to_float(s, code), rs)
+    assert torch.equal(q, kq.pack_e2m1_ref(rq))
+
+
+def _e4m3_scale_ties(device) -> torch.Tensor:
+    """For every normal E4M3 scale s in range: a group of 16 with amax 6·s (so the scale is s) holding
+    t·s for every E2M1 tie t (±): x/s lands exactly on the tie, which x·fl(1/s) may miss by an ulp."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    rows = []
+    for code in range(0x08, 0x7F):  # e4m3fn normals
+        s = torch.tensor(code, dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+        vals = [6.0 * s] + [t * s for t in ties] + [-t * s for t in ties] + [0.5 * s]
+        rows.append(vals)
+    x = torch.tensor(rows, dtype=torch.float32)
+    return x[(x.abs().amax(1) < 3e38)].to(torch.bfloat16).to(device)
+
+
+def test_fp4_e4m3_exact_ties_under_non_power_of_two_scales(device):
+    x = _e4m3_scale_ties(device)
+    assert torch.equal(kq.fp4_e4m3_fake_quant(x), kq.fp4_e4m3_fake_quant_ref(x))
+    q, s = kq.quantize_fp4_e4m3_packed(x)
+    rq, rs = kq.quantize_fp4_e4m3_ref(x)
+    assert torch.equal(q, kq.pack_e2m1_ref(rq))

@@ -1,0 +1,454 @@
+"""Triton grouped expert GEMMs for the routed experts of the MoE (spec §3.11), forward and backward.
+
+The N = T·K token-expert assignments are sorted by expert (stable, as the torch path does); every
+GEMM is then ONE launch over all experts: a program takes a BM-row tile of one expert's rows (a tile
+table built from the per-expert counts, no host sync) and one column tile. Expert weights are read
+in place through a table of element offsets from the first expert's tensor (no per-call stacking).
+  up    gu = [x[tok] @ w1[e]ᵀ, x[tok] @ w3[e]ᵀ] (bf16-rounded, kept for the backward) and the fused
+        clamped SwiGLU h = bf16(wgt · silu(min(g, L)) · clamp(u, -L, L))      (L = swiglu_limit)
+  down  y[slot] = h @ w2[e]ᵀ, written straight to the (token, k) slot order
+  bwd   dh = dy[slot] @ w2[e] with the SwiGLU backward fused (dg, du in bf16, dwgt partials);
+        dx[slot] = dg @ w1[e] + du @ w3[e]; dW13[e] = Σ_rows dguᵀ x[tok], dW2[e] = Σ_rows dy[slot]ᵀ h
+`moe_ref` is the torch reference (the per-expert loop of `model.moe.Expert`). Not here: routing,
+the shared expert and the fp32 sum over a token's K outputs (model/moe.py keeps those).
+
+Shape legend: T tokens, D model dim, F expert inter dim, E routed experts, K experts per token,
+N = T·K assignments (sorted by expert), BM/BN/BK the row/column/reduction tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.quant import cast_rne
+
+__all__ = ["moe_experts", "moe_ref", "CONFIG"]
+
+# Tiles per kernel (bench/kernels.py sweeps them on the H200): rows BM x columns BN, reduction BK.
+CONFIG = {
+    "up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
+    "down": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+    "dh": {"BM": 128, "BN": 64, "BK": 64, "num_warps": 8, "num_stages": 4},
+    "dx": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
+    "wgrad": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
+}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# tile scheduling and operand helpers
+
+
+@triton.jit
+def _row_tile(tile_cum_ptr, offs_ptr, E, EP: tl.constexpr, BM: tl.constexpr):
+    """Program's M tile -> (expert e, first row, end row of e); e == E for a program past the last
+    tile. tile_cum [E] is the inclusive cumsum of cdiv(count_e, BM); offs [E+1] the row offsets."""
+    t = tl.program_id(1)
+    e_P = tl.arange(0, EP)
+    cum_P = tl.load(tile_cum_ptr + e_P, mask=e_P < E, other=2**30)
+    e = tl.sum((cum_P <= t).to(tl.int32))
+    e_c = tl.minimum(e, E - 1)
+    prev = tl.load(tile_cum_ptr + e_c - 1, mask=e_c > 0, other=0)
+    row0 = tl.load(offs_ptr + e_c) + (t - prev) * BM
+    row_end = tl.load(offs_ptr + e_c + 1)
+    return e, e_c, row0, row_end
+
+
+@triton.jit
+def _expert_ptr(base_ptr, wofs_ptr, e):
+    """Expert e's weight: base + offset, offsets stored in 16-byte units so the compiler knows the
+    16-byte alignment of every expert's start and vectorises the loads."""
+    UNIT: tl.constexpr = 128 // base_ptr.dtype.element_ty.primitive_bitwidth
+    return base_ptr + tl.load(wofs_ptr + e).to(tl.int64) * UNIT
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr, w1_ptr, w3_ptr, w1ofs_ptr, w3ofs_ptr, tok_ptr, wgt_ptr, gu_ptr, h_ptr, tile_cum_ptr, offs_ptr,
+    E, D, F, limit,
+    EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """gu[n, f] = bf16(x[tok_n] · w1[e, f]), gu[n, F + f] = bf16(x[tok_n] · w3[e, f]); h[n, f] the
+    weighted clamped SwiGLU, rounded to bf16 (x's dtype) as the reference's `.to(dtype)` does."""
+    e, e_c, row0, row_end = _row_tile(tile_cum_ptr, offs_ptr, E, EP, BM)
+    if e >= E:
+        return
+    DT: tl.constexpr = tl.float32 if F32_DOT else x_ptr.dtype.element_ty
+    n_M = row0 + tl.arange(0, BM)
+    mask_M = n_M < row_end
+    tok_M = tl.load(tok_ptr + n_M, mask=mask_M, other=0).to(tl.int64)
+    f_N = tl.program_id(0) * BN + tl.arange(0, BN)
+    k_K = tl.arange(0, BK)
+    a_ptrs = x_ptr + tok_M[:, None] * D + k_K[None, :]
+    w1 = _expert_ptr(w1_ptr, w1ofs_ptr, e_c)
+    w3 = _expert_ptr(w3_ptr, w3ofs_ptr, e_c)
+    b_offs = f_N[None, :].to(tl.int64) * D + k_K[:, None]  # B[k, f] = w[f, k]
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, D, BK):
+        a = tl.load(a_ptrs + k0, mask=mask_M[:, None], other=0.0).to(DT)
+        acc_g = tl.dot(a, tl.load(w1 + b_offs + k0).to(DT), acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(a, tl.load(w3 + b_offs + k0).to(DT), acc_u, input_precision=DOT_PREC)
+    OT: tl.constexpr = gu_ptr.dtype.element_ty
+    g = cast_rne(acc_g, OT)
+    u = cast_rne(acc_u, OT)
+    gu_offs = n_M[:, None].to(tl.int64) * (2 * F) + f_N[None, :]
+    tl.store(gu_ptr + gu_offs, g, mask=mask_M[:, None])
+    tl.store(gu_ptr + gu_offs + F, u, mask=mask_M[:, None])
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    if HAS_LIMIT:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    wgt_M = tl.load(wgt_ptr + n_M, mask=mask_M, other=0.0)
+    h = wgt_M[:, None] * (g * tl.sigmoid(g) * u)
+    h_offs = n_M[:, None].to(tl.int64) * F + f_N[None, :]
+    tl.store(h_ptr + h_offs, cast_rne(h, h_ptr.dtype.element_ty), mask=mask_M[:, None])
+
+
+@triton.jit
+def _rows_mm_kernel(
+    a_ptr, a_idx_ptr, b_ptr, b2_ptr, bofs_ptr, b2ofs_ptr, c_ptr, c_idx_ptr, tile_cum_ptr, offs_ptr,
+    gu_ptr, wgt_ptr, dwgt_ptr,
+    E, KA, NC, stride_bk, stride_bn, limit,
+    EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    A_GATHER: tl.constexpr, DUAL: tl.constexpr, C_SCATTER: tl.constexpr, SWIGLU_BWD: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """C[c_row(n), :] = A[a_row(n), :KA] @ B_e (B_e[k, j] at b + k·stride_bk + j·stride_bn); with DUAL
+    A has 2·KA columns and the second half multiplies B2_e. a_row / c_row gather / scatter through
+    an index when A_GATHER / C_SCATTER. With SWIGLU_BWD the product is dh (the down-projection's
+    input grad): the epilogue writes dgu = [dg, du] (bf16) into C and Σ_f dh·h0 partials to dwgt."""
+    e, e_c, row0, row_end = _row_tile(tile_cum_ptr, offs_ptr, E, EP, BM)
+    if e >= E:
+        return
+    DT: tl.constexpr = tl.float32 if F32_DOT else a_ptr.dtype.element_ty
+    n_M = row0 + tl.arange(0, BM)
+    mask_M = n_M < row_end
+    if A_GATHER:
+        arow_M = tl.load(a_idx_ptr + n_M, mask=mask_M, other=0).to(tl.int64)
+    else:
+        arow_M = n_M.to(tl.int64)
+    LDA: tl.constexpr = 2 if DUAL else 1
+    j_N = tl.program_id(0) * BN + tl.arange(0, BN)
+    k_K = tl.arange(0, BK)
+    a_ptrs = a_ptr + arow_M[:, None] * (KA * LDA) + k_K[None, :]
+    b_offs = k_K[:, None].to(tl.int64) * stride_bk + j_N[None, :].to(tl.int64) * stride_bn
+    b = _expert_ptr(b_ptr, bofs_ptr, e_c)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, KA, BK):
+        a = tl.load(a_ptrs + k0, mask=mask_M[:, None], other=0.0).to(DT)
+        acc = tl.dot(a, tl.load(b + b_offs + k0 * stride_bk).to(DT), acc, input_precision=DOT_PREC)
+    if DUAL:
+        b2 = _expert_ptr(b2_ptr, b2ofs_ptr, e_c)
+        for k0 in range(0, KA, BK):
+            a = tl.load(a_ptrs + KA + k0, mask=mask_M[:, None], other=0.0).to(DT)
+            acc = tl.dot(a, tl.load(b2 + b_offs + k0 * stride_bk).to(DT), acc, input_precision=DOT_PREC)
+    if SWIGLU_BWD:
+        # dh rounded like the reference's bf16 matmul output, then the SwiGLU backward in fp32
+        OT: tl.constexpr = c_ptr.dtype.element_ty
+        dh = cast_rne(acc, OT).to(tl.float32)
+        gu_offs = n_M[:, None].to(tl.int64) * (2 * NC) + j_N[None, :]
+        g = tl.load(gu_ptr + gu_offs, mask=mask_M[:, None], other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + gu_offs + NC, mask=mask_M[:, None], other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            uc = tl.minimum(tl.maximum(u, -limit), limit)
+            gc = tl.minimum(g, limit)
+        else:
+            uc = u
+            gc = g
+        sig = tl.sigmoid(gc)
+        act = gc * sig
+        wgt_M = tl.load(wgt_ptr + n_M, mask=mask_M, other=0.0)
+        tl.store(dwgt_ptr + n_M * tl.num_programs(0) + tl.program_id(0), tl.sum(dh * act * uc, axis=1), mask=mask_M)
+        dh0 = dh * wgt_M[:, None]
+        dg = dh0 * uc * (sig * (1.0 + gc * (1.0 - sig)))
+        du = dh0 * act
+        if HAS_LIMIT:
+            dg = tl.where(g <= limit, dg, 0.0)
+            du = tl.where((u >= -limit) & (u <= limit), du, 0.0)
+        tl.store(c_ptr + gu_offs, cast_rne(dg, OT), mask=mask_M[:, None])
+        tl.store(c_ptr + gu_offs + NC, cast_rne(du, OT), mask=mask_M[:, None])
+    else:
+        if C_SCATTER:
+            crow_M = tl.load(c_idx_ptr + n_M, mask=mask_M, other=0).to(tl.int64)
+        else:
+            crow_M = n_M.to(tl.int64)
+        c_offs = crow_M[:, None] * NC + j_N[None, :]
+        tl.store(c_ptr + c_offs, cast_rne(acc, c_ptr.dtype.element_ty), mask=mask_M[:, None])
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, c_ptr, offs_ptr, P, Q,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """C[e] [P, Q] = Σ_{n in expert e} A[a_row(n), :P]ᵀ B[b_row(n), :Q]; program (P x Q tile, e).
+    An expert with no rows gets zeros."""
+    e = tl.program_id(1)
+    n_pq = tl.cdiv(Q, BN)
+    p_M = (tl.program_id(0) // n_pq) * BM + tl.arange(0, BM)
+    q_N = (tl.program_id(0) % n_pq) * BN + tl.arange(0, BN)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    DT: tl.constexpr = tl.float32 if F32_DOT else a_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BN), tl.float32)
+    for r0 in range(start, end, BK):
+        r_K = r0 + tl.arange(0, BK)
+        mask_K = r_K < end
+        if A_GATHER:
+            ar_K = tl.load(a_idx_ptr + r_K, mask=mask_K, other=0).to(tl.int64)
+        else:
+            ar_K = r_K.to(tl.int64)
+        if B_GATHER:
+            br_K = tl.load(b_idx_ptr + r_K, mask=mask_K, other=0).to(tl.int64)
+        else:
+            br_K = r_K.to(tl.int64)
+        at = tl.load(a_ptr + ar_K[None, :] * P + p_M[:, None], mask=mask_K[None, :], other=0.0).to(DT)
+        bb = tl.load(b_ptr + br_K[:, None] * Q + q_N[None, :], mask=mask_K[:, None], other=0.0).to(DT)
+        acc = tl.dot(at, bb, acc, input_precision=DOT_PREC)
+    c_offs = e.to(tl.int64) * P * Q + p_M[:, None] * Q + q_N[None, :]
+    tl.store(c_ptr + c_offs, cast_rne(acc, c_ptr.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _tile(cfg: dict, n: int, name: str) -> int:
+    """The configured tile, halved until it divides n (model dims are multiples of 16)."""
+    t = cfg[name]
+    while n % t:
+        t //= 2
+    assert t >= 16, f"dimension {n} needs a multiple of 16"
+    return t
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    """fp32 dot operands under the interpreter (its 16-bit tl.dot is unreliable) and for fp32 inputs,
+    which then use full-precision FMA dots ("ieee"), not TF32."""
+    f32 = _interpreting() or dtype == torch.float32
+    return {"F32_DOT": f32, "DOT_PREC": "ieee" if f32 else "tf32"}
+
+
+def _opts(cfg: dict) -> dict:
+    return {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+_offsets_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _weight_offsets(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base tensor, int64 [E] offsets of each expert from it in 16-byte units) on the weights'
+    device. Every weight must be contiguous, of one dtype and 16-byte aligned relative to base.
+    The offsets tensor is cached by the weights' addresses (stable across steps: optimisers update
+    in place), so a call costs no host-to-device copy, which would stall the stream."""
+    base = ws[0]
+    ptrs = tuple(w.data_ptr() for w in ws)
+    key = (base.device, ptrs)
+    offs = _offsets_cache.get(key)
+    if offs is None:
+        for w in ws:
+            assert w.is_contiguous() and w.dtype == base.dtype and w.shape == base.shape
+        d = [p - ptrs[0] for p in ptrs]
+        assert all(x % 16 == 0 for x in d) and 16 % base.element_size() == 0, "expert weights must be 16-byte aligned"
+        if len(_offsets_cache) > 256:
+            _offsets_cache.clear()
+        offs = _offsets_cache[key] = torch.tensor([x // 16 for x in d], dtype=torch.int64).to(base.device)
+    return base, offs
+
+
+class _Schedule:
+    """Sorted-assignment bookkeeping shared by the forward and backward launches."""
+
+    def __init__(self, topk_idx_TK: torch.Tensor, n_experts: int):
+        T, K = topk_idx_TK.shape
+        expert_N = topk_idx_TK.flatten()
+        order_N = expert_N.argsort(stable=True)
+        self.T, self.K, self.E, self.N = T, K, n_experts, T * K
+        self.slot_N = order_N.to(torch.int32)  # position in the (token, k) flattening
+        self.tok_N = (order_N // K).to(torch.int32)
+        # scatter_add instead of bincount: CUDA bincount reads max() back to the host (a stream sync)
+        self.counts_E = torch.zeros(n_experts, dtype=torch.int64, device=expert_N.device).scatter_add_(
+            0, expert_N, torch.ones_like(expert_N)
+        )
+        offs = torch.zeros(n_experts + 1, dtype=torch.int32, device=expert_N.device)
+        offs[1:] = self.counts_E.cumsum(0)
+        self.offs = offs
+        self._tiles: dict[int, torch.Tensor] = {}
+
+    def tile_cum(self, bm: int) -> torch.Tensor:
+        if bm not in self._tiles:
+            self._tiles[bm] = ((self.counts_E + bm - 1) // bm).cumsum(0).to(torch.int32)
+        return self._tiles[bm]
+
+    def m_tiles(self, bm: int) -> int:
+        return triton.cdiv(self.N, bm) + self.E  # upper bound; programs past the last tile exit
+
+    def row_args(self, bm: int) -> tuple:
+        return self.tile_cum(bm), self.offs
+
+
+def _rows_mm(sched, a, a_idx, b, bofs, c, c_idx, KA, NC, stride_bk, stride_bn, cfg, b2=None, b2ofs=None,
+             swiglu=None, limit=0.0):  # fmt: skip
+    bm, bn, bk = cfg["BM"], _tile(cfg, NC, "BN"), _tile(cfg, KA, "BK")
+    grid = (NC // bn, sched.m_tiles(bm))
+    gu, wgt, dwgt = swiglu if swiglu is not None else (c, c, c)
+    _rows_mm_kernel[grid](
+        a, a_idx if a_idx is not None else a, b, b2 if b2 is not None else b, bofs,
+        b2ofs if b2ofs is not None else bofs, c, c_idx if c_idx is not None else c, *sched.row_args(bm),
+        gu, wgt, dwgt, sched.E, KA, NC, stride_bk, stride_bn, float(limit),
+        EP=triton.next_power_of_2(sched.E), BM=bm, BN=bn, BK=bk, A_GATHER=a_idx is not None, DUAL=b2 is not None,
+        C_SCATTER=c_idx is not None, SWIGLU_BWD=swiglu is not None, HAS_LIMIT=limit > 0,
+        **_dot_args(a.dtype), **_opts(cfg),
+    )  # fmt: skip
+    return grid[0]
+
+
+def _wgrad(sched, a, a_idx, b, b_idx, P, Q, dtype, cfg) -> torch.Tensor:
+    c = torch.empty(sched.E, P, Q, dtype=dtype, device=a.device)
+    bm, bn, bk = _tile(cfg, P, "BM"), _tile(cfg, Q, "BN"), cfg["BK"]
+    grid = ((P // bm) * (Q // bn), sched.E)
+    _wgrad_kernel[grid](
+        a, a_idx if a_idx is not None else a, b, b_idx if b_idx is not None else b, c, sched.offs, P, Q,
+        BM=bm, BN=bn, BK=bk, A_GATHER=a_idx is not None, B_GATHER=b_idx is not None,
+        **_dot_args(a.dtype), **_opts(cfg),
+    )  # fmt: skip
+    return c
+
+
+def _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit):
+    D = x_TD.size(1)
+    Fi = w1s[0].size(0)
+    dev, dt = x_TD.device, x_TD.dtype
+    w1, w1ofs = _weight_offsets(w1s)
+    w3, w3ofs = _weight_offsets(w3s)
+    w2, w2ofs = _weight_offsets(w2s)
+    gu = torch.empty(sched.N, 2 * Fi, dtype=dt, device=dev)
+    h = torch.empty(sched.N, Fi, dtype=dt, device=dev)
+    y = torch.empty(sched.N, D, dtype=dt, device=dev)
+    if sched.N:
+        cfg = CONFIG["up"]
+        bm, bn, bk = cfg["BM"], _tile(cfg, Fi, "BN"), _tile(cfg, D, "BK")
+        _up_kernel[(Fi // bn, sched.m_tiles(bm))](
+            x_TD, w1, w3, w1ofs, w3ofs, sched.tok_N, wgt_N, gu, h, *sched.row_args(bm),
+            sched.E, D, Fi, float(limit),
+            EP=triton.next_power_of_2(sched.E), BM=bm, BN=bn, BK=bk, HAS_LIMIT=limit > 0,
+            **_dot_args(dt), **_opts(cfg),
+        )  # fmt: skip
+        # y[slot] = h @ w2[e]ᵀ: B[k=f, j=d] = w2[d, f]
+        _rows_mm(sched, h, None, w2, w2ofs, y, sched.slot_N, Fi, D, 1, Fi, CONFIG["down"])
+    return y, gu, h, (w1, w1ofs, w3, w3ofs, w2, w2ofs)
+
+
+class _MoEExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, topk_idx_TK, n_experts, limit, *ws):
+        E = n_experts
+        w1s, w3s, w2s = ws[:E], ws[E : 2 * E], ws[2 * E :]
+        sched = _Schedule(topk_idx_TK, E)
+        wgt_N = weights_TK.float().flatten().index_select(0, sched.slot_N.long()).contiguous()
+        y, gu, h, wtab = _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit)
+        ctx.save_for_backward(x_TD, wgt_N, gu, h, *ws)
+        ctx.sched, ctx.wtab, ctx.limit, ctx.E = sched, wtab, limit, E
+        return y.view(sched.T, sched.K, -1)
+
+    @staticmethod
+    def backward(ctx, dy_TKD):
+        x_TD, wgt_N, gu, h, *ws = ctx.saved_tensors
+        sched, limit = ctx.sched, ctx.limit
+        w1, w1ofs, w3, w3ofs, w2, w2ofs = ctx.wtab
+        T, D = x_TD.shape
+        Fi = h.size(1)
+        dy = dy_TKD.contiguous().view(sched.N, D).to(x_TD.dtype)
+        dgu = torch.empty_like(gu)
+        dx_N = torch.empty(sched.N, D, dtype=x_TD.dtype, device=x_TD.device)
+        cfg_dh = CONFIG["dh"]
+        n_ft = Fi // _tile(cfg_dh, Fi, "BN")
+        dwgt_part = torch.zeros(sched.N, n_ft, dtype=torch.float32, device=x_TD.device)
+        if sched.N:
+            # dh = dy[slot] @ w2[e]: B[k=d, j=f] = w2[d, f]; SwiGLU backward in the epilogue
+            _rows_mm(sched, dy, sched.slot_N, w2, w2ofs, dgu, None, D, Fi, Fi, 1, cfg_dh,
+                     swiglu=(gu, wgt_N, dwgt_part), limit=limit)  # fmt: skip
+            # dx[slot] = dg @ w1[e] + du @ w3[e]: B[k=f, j=d] = w[f, d]
+            _rows_mm(sched, dgu, None, w1, w1ofs, dx_N, sched.slot_N, Fi, D, D, 1, CONFIG["dx"], b2=w3, b2ofs=w3ofs)
+        dx_TD = dx_N.view(T, sched.K, D).float().sum(1).to(x_TD.dtype)
+        dW13 = _wgrad(sched, dgu, None, x_TD, sched.tok_N, 2 * Fi, D, ws[0].dtype, CONFIG["wgrad"])
+        dW2 = _wgrad(sched, dy, sched.slot_N, h, None, D, Fi, ws[0].dtype, CONFIG["wgrad"])
+        dwgt_N = dwgt_part.sum(1)
+        dweights = torch.zeros(sched.N, dtype=torch.float32, device=x_TD.device)
+        dweights[sched.slot_N.long()] = dwgt_N
+        grads = (*dW13[:, :Fi].unbind(0), *dW13[:, Fi:].unbind(0), *dW2.unbind(0))
+        return dx_TD, dweights.view(T, sched.K), None, None, None, *grads
+
+
+def moe_experts(
+    x_TD: torch.Tensor,
+    weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    w1s: list[torch.Tensor],
+    w3s: list[torch.Tensor],
+    w2s: list[torch.Tensor],
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:
+    """Routed experts of every assignment: x [T, D] (bf16/fp16/fp32), weights [T, K] fp32 routing
+    weights (differentiable), topk_idx [T, K] int expert ids, w1s / w3s [F, D] and w2s [D, F] per
+    expert (model.moe.Expert's w1, w3, w2) -> y [T, K, D] in x's dtype, slot (t, k) = expert
+    topk_idx[t, k]'s output for token t times its weight. Gradients for x, weights and all weights."""
+    E = len(w1s)
+    assert len(w3s) == E and len(w2s) == E
+    assert x_TD.ndim == 2 and topk_idx_TK.shape == weights_TK.shape and topk_idx_TK.size(0) == x_TD.size(0)
+    Fi, D = w1s[0].shape
+    assert x_TD.size(1) == D and w2s[0].shape == (D, Fi) and w3s[0].shape == (Fi, D)
+    assert all(w.dtype == x_TD.dtype for w in (*w1s, *w3s, *w2s)), "experts and input share one dtype"
+    ws = [w.contiguous() for w in (*w1s, *w3s, *w2s)]
+    return _MoEExperts.apply(x_TD.contiguous(), weights_TK, topk_idx_TK, E, float(swiglu_limit), *ws)
+
+
+def moe_ref(
+    x_TD: torch.Tensor,
+    weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    w1s: list[torch.Tensor],
+    w3s: list[torch.Tensor],
+    w2s: list[torch.Tensor],
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:
+    """Torch reference of `moe_experts`: sort by expert, run each expert's clamped SwiGLU on its own
+    rows (model.moe.Expert's arithmetic), return the [T, K, D] slot outputs."""
+    T, K = topk_idx_TK.shape
+    E = len(w1s)
+    expert_N = topk_idx_TK.flatten()
+    order_N = expert_N.argsort(stable=True)
+    x_ND = x_TD.index_select(0, order_N // K)
+    w_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(-1)
+    outs, start = [], 0
+    for e, n in enumerate(torch.bincount(expert_N, minlength=E).tolist()):
+        if n:
+            xe = x_ND[start : start + n]
+            gate = F.linear(xe, w1s[e]).float()
+            up = F.linear(xe, w3s[e]).float()
+            if swiglu_limit > 0:
+                up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+                gate = gate.clamp(max=swiglu_limit)
+            hid = w_N1[start : start + n] * (F.silu(gate) * up)
+            outs.append(F.linear(hid.to(x_TD.dtype), w2s[e]))
+            start += n
+    y_ND = torch.cat(outs, 0) if outs else x_TD.new_zeros(0, x_TD.size(1))
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return y_ND.index_select(0, inverse_N).view(T, K, -1)
