@@ -26,9 +26,14 @@ from synth.stages import inspect
 def _build(args: argparse.Namespace) -> int:
     opts = FactoryOptions(repo=args.repo, out_dir=args.out, task_budget=args.budget, concurrency=args.concurrency,
                           flaky_reruns=args.flaky_reruns, gold_runs=args.gold_runs, seed=args.seed,
-                          solver_attempts=args.solver_attempts, run_slow_hacks=args.slow_hacks)
+                          solver_attempts=args.solver_attempts, run_slow_hacks=args.slow_hacks,
+                          history_commits=args.history_commits)
     if args.llm_base_url:
-        opts.llm_base_url, opts.llm_model = args.llm_base_url, args.llm_model
+        opts.solvers.llm.base_url, opts.solvers.llm.model = args.llm_base_url, args.llm_model
+    if args.policy_checkpoint:
+        pol = opts.solvers.policy
+        pol.checkpoint, pol.device, pol.max_turns = args.policy_checkpoint, args.policy_device, args.policy_max_turns
+        pol.max_new_tokens = args.policy_max_new_tokens
     result = run_factory(opts, stages=args.stages or None)
     _print_funnel(result)
     print(f"{result['tasks']} task(s) passed every gate in {result['seconds']} s -> {Path(args.out) / 'tasks.json'}")
@@ -40,8 +45,8 @@ def _print_funnel(result: dict) -> None:
     for name, f in result["funnel"].items():
         drops = ", ".join(f"{k} x{n}" for k, n in f["drops"].items())
         print(f"{name:<12}{f['in']:>6}{f['out']:>6}  {drops}")
-    if result.get("search_solver_pass_rate") is not None:
-        print(f"search solver pass rate: {result['search_solver_pass_rate']}")
+    for name, rate in result.get("solver_pass_rates", {}).items():
+        print(f"{name} solver pass rate: {rate}")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -49,7 +54,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.rerun:
         shutil.rmtree(out / inspect.NAME, ignore_errors=True)
         opts_doc = json.loads((out / "options.json").read_text()) if (out / "options.json").exists() else {}
-        opts = FactoryOptions(**opts_doc)
+        opts = FactoryOptions.from_dict(opts_doc)
         opts.out_dir = str(out)
         run_factory(opts, stages=[inspect.NAME])
     records = StageStore(out, inspect.NAME, inspect.OUTPUT).load().values()
@@ -101,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--stages", nargs="*", choices=[s.NAME for s in STAGES])
     b.add_argument("--llm-base-url", default="", help="OpenAI-compatible endpoint for the LLM solver")
     b.add_argument("--llm-model", default="")
+    b.add_argument("--policy-checkpoint", default="", help="solvers.policy.checkpoint: a flashpost .safetensors "
+                   "checkpoint run through the inference engine as a solver")
+    b.add_argument("--policy-device", default="cpu")
+    b.add_argument("--policy-max-turns", type=int, default=8)
+    b.add_argument("--policy-max-new-tokens", type=int, default=256)
+    b.add_argument("--history-commits", type=int, default=50, help="newest commits of a git source to invert")
     b.set_defaults(fn=_build)
     i = sub.add_parser("inspect", help="per-task gate results")
     i.add_argument("dir")

@@ -53,6 +53,8 @@ class RepoRecord(Record):
     source: str  # what the user asked for: a path, a git URL, or pypi:NAME==VERSION
     path: str = ""  # absolute path of the copied tree
     n_files: int = 0
+    history: str = ""  # bare clone of a git source (specify inverts its commits); "" when none
+    head: str = ""  # the commit the tree is from
 
 
 @dataclass(kw_only=True)
@@ -61,6 +63,7 @@ class FeasibleRepo(Record):
 
     source: str
     path: str
+    history: str = ""  # RepoRecord.history
     image: str = ""  # the pristine repository image (base image + tree, one commit)
     test_command: str = "python3 -m pytest -q"
     test_parser: str = "junit"
@@ -72,16 +75,20 @@ class FeasibleRepo(Record):
 
 @dataclass(kw_only=True)
 class SpecRecord(Record):
-    """specify: one mutation candidate, with F2P/P2P from real runs and a behaviour-only statement."""
+    """specify: one candidate (an AST mutation, or a real commit inverted), with F2P/P2P from real runs
+    and a behaviour-only statement. The shipped (broken) tree is the tree at `repo_path` with
+    `mutation` applied, then `overrides` written (synth.stages.build.task_files)."""
 
     task_id: str
     repo_key: str
-    repo_path: str = ""
+    repo_path: str = ""  # the fixed tree: the repository, or the commit's tree for an inverted commit
     repo_image: str = ""
     test_files: list[str] = field(default_factory=list)
-    mutation: dict[str, Any] = field(default_factory=dict)  # synth.mutations.Mutation as a dict
-    bug_patch: str = ""  # original -> mutant (never shipped)
-    gold_patch: str = ""  # mutant -> original
+    origin: dict[str, Any] = field(default_factory=dict)  # {"kind": "mutation"} | {"kind": "commit", "commit": sha...}
+    mutation: dict[str, Any] = field(default_factory=dict)  # synth.mutations.Mutation as a dict ({} for commits)
+    overrides: dict[str, str | None] = field(default_factory=dict)  # path -> broken text (None: absent)
+    bug_patch: str = ""  # fixed -> broken (never shipped)
+    gold_patch: str = ""  # broken -> fixed
     f2p: list[str] = field(default_factory=list)
     p2p: list[str] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)  # F2P test id -> failure text on the mutant
@@ -96,7 +103,9 @@ class TaskRecord(Record):
 
     task: dict[str, Any] = field(default_factory=dict)
     repo_path: str = ""
+    origin: dict[str, Any] = field(default_factory=dict)
     mutation: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, str | None] = field(default_factory=dict)
     quoted: list[str] = field(default_factory=list)
     needles: list[str] = field(default_factory=list)
     audit: dict[str, Any] = field(default_factory=dict)

@@ -7,7 +7,6 @@ Not here: any stage logic (synth/stages/*.py) or argument parsing (synth/cli.py)
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -19,6 +18,7 @@ from types import ModuleType
 
 from tqdm import tqdm
 
+from envs import engine
 from envs.task import Task, save_tasks
 from synth.config import Context, FactoryOptions
 from synth.records import Record, StageStore, funnel
@@ -92,8 +92,9 @@ def run_factory(opts: FactoryOptions, *, stages: Iterable[str] | None = None, pr
     out = Path(opts.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ctx = Context(opts, out, hooks=dict(hooks or {}))
-    safe = {k: v for k, v in dataclasses.asdict(opts).items() if k != "llm_api_key"}
-    (out / "options.json").write_text(json.dumps(safe, indent=2) + "\n")
+    # containers left by an interrupted earlier run (owner process gone) would otherwise linger
+    reaped = engine.reap_containers(only_stale=True) if engine.engine_available() else []
+    (out / "options.json").write_text(json.dumps(opts.to_dict(), indent=2) + "\n")
     wanted = set(stages or [s.NAME for s in STAGES])
     inputs: list = [opts.source]
     t0 = time.monotonic()
@@ -114,6 +115,7 @@ def run_factory(opts: FactoryOptions, *, stages: Iterable[str] | None = None, pr
     save_tasks(accepted, out / "tasks.json")
     result = stats(out)
     result["seconds"] = round(time.monotonic() - t0, 1)
+    result["reaped_stale_containers"] = len(reaped)
     result["stage_seconds"] = timings
     (out / "stats.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -128,7 +130,10 @@ def stats(out_dir: str | Path) -> dict:
         result["funnel"][stage.NAME] = funnel(list(store.load().values()))
     final = StageStore(out, inspect.NAME, inspect.OUTPUT).load().values()
     result["tasks"] = sum(r.ok for r in final)
-    solved = [r.pass_matrix.get("search", []) for r in StageStore(out, solve.NAME, solve.OUTPUT).load().values()]
-    attempts = [x for row in solved for x in row]
-    result["search_solver_pass_rate"] = round(sum(attempts) / len(attempts), 3) if attempts else None
+    rows: dict[str, list[float]] = {}
+    for r in StageStore(out, solve.NAME, solve.OUTPUT).load().values():
+        for name, row in r.pass_matrix.items():
+            rows.setdefault(name, []).extend(row)
+    result["solver_pass_rates"] = {name: round(sum(xs) / len(xs), 3) for name, xs in sorted(rows.items()) if xs}
+    result["search_solver_pass_rate"] = result["solver_pass_rates"].get("search")
     return result

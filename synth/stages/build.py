@@ -1,4 +1,4 @@
-"""Stage 4, build & sanitize: a specified mutant -> a task image (base image + the mutant tree as a
+"""Stage 4, build & sanitize: a specified candidate -> a task image (base image + the broken tree as a
 fresh single-commit git repository, caches and bytecode purged), then a leak audit that searches
 the built image (workspace files, every git object, site-packages, scratch dirs) for the gold fix
 text and fails the task on any hit.
@@ -126,22 +126,29 @@ def audit_problems(report: dict) -> list[str]:
     return problems
 
 
-def mutant_files(spec: SpecRecord) -> dict[str, bytes]:
-    files = repo_files(spec.repo_path)
-    m = mutations.Mutation(**spec.mutation)
-    files[m.path] = mutations.apply(files[m.path].decode(), m).encode()
+def task_files(rec: SpecRecord | TaskRecord) -> dict[str, bytes]:
+    """The shipped (broken) tree: the fixed tree at repo_path, the mutation applied, the overrides written."""
+    files = repo_files(rec.repo_path)
+    if rec.mutation:
+        m = mutations.Mutation(**rec.mutation)
+        files[m.path] = mutations.apply(files[m.path].decode(), m).encode()
+    for path, text in rec.overrides.items():
+        if text is None:
+            files.pop(path, None)
+        else:
+            files[path] = text.encode()
     return files
 
 
 def build_task(spec: SpecRecord, ctx: Context, *, files: dict[str, bytes] | None = None,
                script: str = FRESH_HISTORY) -> TaskRecord:
-    """Build and audit one task; `files`/`script` default to the mutant tree with a fresh history."""
+    """Build and audit one task; `files`/`script` default to the broken tree with a fresh history."""
     t0 = time.monotonic()
     image = f"flashpost/synth-task:{spec.task_id}"
-    rec = TaskRecord(key=spec.task_id, repo_path=spec.repo_path, mutation=spec.mutation, quoted=spec.quoted,
-                     needles=spec.needles)
+    rec = TaskRecord(key=spec.task_id, repo_path=spec.repo_path, origin=spec.origin, mutation=spec.mutation,
+                     overrides=spec.overrides, quoted=spec.quoted, needles=spec.needles)
     try:
-        digest = build_tree_image(files if files is not None else mutant_files(spec), image, script=script)
+        digest = build_tree_image(files if files is not None else task_files(spec), image, script=script)
         report = audit_image(image, spec.needles)
     except RuntimeError as e:
         return rec.drop(f"build failed: {e}"[:2000])

@@ -41,7 +41,8 @@ def is_test_file(path: str) -> bool:
 def process(repo: RepoRecord, ctx: Context) -> FeasibleRepo:
     t0 = time.monotonic()
     files = repo_files(repo.path)
-    rec = FeasibleRepo(key=repo.key, source=repo.source, path=repo.path, test_command=TEST_COMMAND)
+    rec = FeasibleRepo(key=repo.key, source=repo.source, path=repo.path, history=repo.history,
+                       test_command=TEST_COMMAND)
     rec.test_files = sorted(p for p in files if is_test_file(p))
     rec.source_files = sorted(p for p in files if p.endswith(".py") and not is_protected(p, rec.test_files)
                               and p not in ("setup.py", "noxfile.py") and not _NOT_LIBRARY & set(p.split("/")[:-1]))

@@ -1,5 +1,7 @@
 """Stage 1, ingest: a source (local path, git repository, or `pypi:NAME==VERSION` sdist) -> a clean
-copy of its tree under `<out>/ingest/repos/<key>` (no VCS metadata, caches or build outputs).
+copy of its tree under `<out>/ingest/repos/<key>` (no VCS metadata, caches or build outputs). A git
+source also keeps a bare clone under `<out>/ingest/history/<key>.git` (the last `history_commits`
+commits of a remote) so specify can invert real commits; that clone never enters an image.
 
 Not here: running anything from the tree (feasibility does that in a sandbox).
 """
@@ -16,6 +18,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from synth import history
 from synth.config import Context
 from synth.records import RepoRecord
 
@@ -78,13 +81,19 @@ def process(unit: tuple[str, str], ctx: Context) -> RepoRecord:
             src = _fetch_pypi(source[len("pypi:"):], Path(tmp))
         elif Path(source).is_dir() and not (Path(source) / ".git").exists():
             src = Path(source)
-        else:  # a git URL or a local repository: the committed tree at HEAD
-            proc = subprocess.run(["git", "clone", "-q", "--depth", "1", source, f"{tmp}/clone"],
-                                  capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                return rec.drop(f"fetch failed: git clone: {proc.stderr[-500:]}")
-            src = Path(tmp) / "clone"
-        rec.n_files = _copy_tree(src, dest)
+        else:  # a git URL or a local repository: the committed tree at HEAD, and its history
+            bare = ctx.out_dir / NAME / "history" / f"{key}.git"
+            shutil.rmtree(bare, ignore_errors=True)
+            try:
+                rec.head = history.clone_bare(source, bare, depth=ctx.opts.history_commits)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                return rec.drop(f"fetch failed: {e}"[:700])
+            if not rec.head:
+                return rec.drop("empty: the repository has no commits")
+            rec.history = str(bare)
+            rec.n_files = history.export_tree(bare, rec.head, dest, _copy_tree)
+        if not rec.history:
+            rec.n_files = _copy_tree(src, dest)
     rec.path, rec.seconds = str(dest), time.monotonic() - t0
     if rec.n_files == 0:
         return rec.drop("empty: no files")

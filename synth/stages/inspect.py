@@ -6,8 +6,9 @@ every F2P test fails), adversarial (every canned hack of envs/hacks.py scores 0)
 (`flaky_reruns` more gold runs; per-test flip rates must be 0), statement/verifier consistency (the
 failure lines the statement quotes are what the verifier's F2P tests really print on the unfixed
 code), solver trajectories (a passing solver patch must be non-empty and touch the file the bug is
-in, else the tests can be satisfied by a bypass). Repair: flaky or null-passing tests are removed
-from P2P/F2P while at least one F2P test remains, and the gates rerun; anything else drops.
+in, else the tests can be satisfied by a bypass; a passing episode must not have read git history,
+edited tests, or read outside the workspace: `trajectory_flags`). Repair: flaky or null-passing tests
+are removed from P2P/F2P while at least one F2P test remains, and the gates rerun; anything else drops.
 Not here: building images (build) or solving (solve).
 """
 
@@ -15,16 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 
-from envs.grading import grade_patch
+from envs.grading import grade_patch, is_protected
 from envs.hacks import HACKS, gold_source_files
 from envs.pool import GraderPool
 from envs.task import Task, TaskSchemaError, validate_task
-from synth import mutations
 from synth.config import Context
+from synth.patches import edits_to_patch
 from synth.records import TaskRecord
-from synth.stages.build import repo_files
+from synth.stages.build import task_files
 from synth.testrun import run_suite
 
 NAME = "inspect"
@@ -39,37 +41,6 @@ def units(tasks: list[TaskRecord], ctx: Context) -> list[TaskRecord]:
 
 def unit_key(rec: TaskRecord) -> str:
     return rec.key
-
-
-def tree_of(rec: TaskRecord) -> dict[str, bytes]:
-    """The task's workspace as shipped (original repository with the mutation applied)."""
-    files = repo_files(rec.repo_path)
-    m = mutations.Mutation(**rec.mutation)
-    files[m.path] = mutations.apply(files[m.path].decode(), m).encode()
-    return files
-
-
-def _body(lines: list[str], sign: str) -> str:
-    out = "".join(sign + ln if ln.endswith("\n") else sign + ln + "\n\\ No newline at end of file\n" for ln in lines)
-    return out
-
-
-def edits_to_patch(files: dict[str, bytes], edits: dict[str, str | None]) -> str:
-    """A git diff (against the shipped tree) making a hack's file writes and deletions."""
-    parts = []
-    for path, content in sorted(edits.items()):
-        before = files[path].decode(errors="replace") if path in files else None
-        if content is None and before is not None:
-            lines = before.splitlines(keepends=True)
-            parts.append(f"diff --git a/{path} b/{path}\ndeleted file mode 100644\n--- a/{path}\n+++ /dev/null\n"
-                         f"@@ -1,{len(lines)} +0,0 @@\n" + _body(lines, "-"))
-        elif content is not None and before is None:
-            lines = content.splitlines(keepends=True)
-            parts.append(f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
-                         f"@@ -0,0 +1,{len(lines)} @@\n" + _body(lines, "+"))
-        elif content is not None:
-            parts.append(mutations.unified_diff(path, before, content))
-    return "".join(parts)
 
 
 def flip_rates(runs: list[dict[str, str]], tests: list[str]) -> dict[str, float]:
@@ -128,7 +99,53 @@ def run_probes(task: Task, rec: TaskRecord, files: dict[str, bytes], pool: Grade
         if not patch.strip() or not touched & gold_files:
             bypass[solver] = sorted(touched)
     v["solver_bypass"] = bypass
-    v["trajectory_gate"] = not bypass
+    v["trajectory_flags"], cheats = {}, {}
+    for name, notes in rec.verdicts.get("episode_trajectories", {}).items():
+        v["trajectory_flags"][name] = [trajectory_flags(n, task) for n in notes]
+        # a passing episode that needed history, test edits or outside reads: the task leaks through them
+        passing = {f for n, fl in zip(notes, v["trajectory_flags"][name], strict=True) if n["reward"] == 1.0
+                   for f in fl}
+        if passing:
+            cheats[name] = sorted(passing)
+    v["trajectory_cheats"] = cheats
+    v["trajectory_gate"] = not bypass and not cheats
+
+
+_GIT_HISTORY = re.compile(r"\bgit\b[^|;&\n]*\b(log|show|reflog|rev-list|cat-file|fsck|stash|blame|whatchanged)\b|"
+                          r"\.git/(objects|refs|logs|packed-refs|ORIG_HEAD)")
+_WRITES = re.compile(r"(>|\btee\b|\bsed\s+-i|\brm\b|\bmv\b|\bcp\b|\btruncate\b|\bchmod\b)")
+_OUTSIDE_READ = re.compile(r"\b(cat|less|more|head|tail|grep|rg|find|ls|strings|xxd|od)\b[^|;&\n]*?"
+                           r"(?<![\w.])(/(?!workspace\b|tmp\b|dev/null)[\w.-]+)")
+
+
+def trajectory_flags(note: dict, task: Task) -> list[str]:
+    """Rules over one episode's tool calls: git history access, test-file edits, reads outside the workspace."""
+    flags = set()
+    tests = set(task.test_files)
+    for call in note.get("calls", []):
+        try:
+            args = json.loads(call["args"])
+        except ValueError:  # clipped arguments: match on the text
+            args = {"command": call["args"], "path": ""}
+        path = str(args.get("path", "") or "")
+        rel = path.removeprefix("/workspace/") if path.startswith("/workspace/") else path
+        if call["name"] == "bash":
+            cmd = str(args.get("command", ""))
+            if _GIT_HISTORY.search(cmd):
+                flags.add("git history access")
+            if _WRITES.search(cmd) and any(t in cmd for t in tests):
+                flags.add("test file edit")
+            if _OUTSIDE_READ.search(cmd):
+                flags.add("read outside the workspace")
+        elif call["name"] in ("edit", "create") and (rel in tests or is_protected(rel, task.test_files)):
+            flags.add("test file edit")
+        elif call["name"] == "view" and path.startswith("/") and not path.startswith("/workspace"):
+            flags.add("read outside the workspace")
+        if rel.startswith(".git/") or rel == ".git":
+            flags.add("git history access")
+    if any(is_protected(p, task.test_files) for p in note.get("touched", [])):
+        flags.add("test file edit")
+    return sorted(flags)
 
 
 def _repair(task: Task, v: dict) -> str | None:
@@ -158,7 +175,7 @@ def _verdict(v: dict) -> str:
     if not v["statement_consistent"]:
         return f"inconsistent statement: verifier does not print {v['statement_unmatched'][:3]}"
     if not v["trajectory_gate"]:
-        return f"solver bypass: {v['solver_bypass']}"
+        return f"solver bypass: {v['solver_bypass'] or v['trajectory_cheats']}"
     return ""
 
 
@@ -166,7 +183,7 @@ def process(rec: TaskRecord, ctx: Context) -> TaskRecord:
     t0 = time.monotonic()
     out = TaskRecord.from_dict(rec.to_dict())
     task = Task.from_dict(rec.task)
-    files = tree_of(rec)
+    files = task_files(rec)
     repairs: list[str] = []
     with GraderPool(max_graders=1, graders_per_image=1) as pool:
         for _ in range(MAX_REPAIRS + 1):
@@ -188,7 +205,8 @@ def process(rec: TaskRecord, ctx: Context) -> TaskRecord:
     out.verdicts.update(v)
     audit_hash = hashlib.sha256(json.dumps(rec.audit, sort_keys=True).encode()).hexdigest()[:16]
     task.verification = {
-        "source": "synth", "mutation": {k: rec.mutation[k] for k in ("path", "kind", "lineno")},
+        "source": "synth", "origin": rec.origin or {"kind": "mutation"},
+        "mutation": {k: rec.mutation[k] for k in ("path", "kind", "lineno")} if rec.mutation else None,
         "gates": {g: v[g] for g in ("gold_gate", "null_gate", "adversarial_gate", "statement_consistent",
                                     "trajectory_gate")} | {"leak_audit": True, "flaky": not v["flaky"]},
         "flake_rates": v["flake_rates"], "solver_pass_matrix": rec.pass_matrix,

@@ -1,16 +1,19 @@
-"""Stage 3, specify: (feasible repository, mutation site) -> a task specification. The mutant is run
-in a grader of the pristine repository image; F2P = tests passing on the original and failing on
-the mutant, P2P = passing on both. The gold patch is the diff mutant -> original. The problem
-statement is written from observed behaviour only (the failing tests' bodies without their names,
-and the assertion/exception lines), then scanned for leaks: diff lines, the fixed code text, test
-function names, hashes. Any leak drops the candidate.
+"""Stage 3, specify: (feasible repository, candidate) -> a task specification. A candidate is a real
+commit of the repository's history to invert (synth/invert.py; first, newest first, when the source
+had history) or an AST mutation site. The broken state is run in a grader of the fixed state's image;
+F2P = tests passing on the fixed state (twice, for commits) and failing on the broken one, P2P =
+passing on both. The gold patch is broken -> fixed. The problem statement is written from observed
+behaviour only (the failing tests' bodies without their names, and the assertion/exception lines),
+then scanned for leaks: diff lines, the fixed code text, test function names, hashes, the commit's
+subject. Any leak drops the candidate.
 
-Not here: images of the mutant (build) or validating the task end to end (inspect).
+Not here: images of the broken state (build) or validating the task end to end (inspect).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import random
 import re
@@ -19,22 +22,28 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from synth import mutations
+from envs.pool import GraderPool
+from synth import history, invert, mutations
 from synth.config import Context
 from synth.records import FeasibleRepo, SpecRecord
-from synth.testrun import probe_task, run_suite
+from synth.stages.build import build_tree_image
+from synth.testrun import SuiteRun, probe_task, run_suite
 
 NAME = "specify"
 OUTPUT = SpecRecord
 MAX_F2P = 8  # a mutant failing more tests than this is a broad breakage, not a focused bug
+BASELINE_RUNS = 2  # runs of a commit's fixed state; a test must pass on each to count
+Unit = tuple[FeasibleRepo, "mutations.Mutation | history.Commit"]
 _HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,64}\b")
 
 
-def units(repos: list[FeasibleRepo], ctx: Context) -> list[tuple[FeasibleRepo, mutations.Mutation]]:
-    """Every mutation site of every repository, kinds interleaved round-robin (seeded order)."""
+def units(repos: list[FeasibleRepo], ctx: Context) -> list[Unit]:
+    """Per repository: its candidate commits (newest first), then every mutation site, kinds
+    interleaved round-robin (seeded order)."""
     rng = random.Random(ctx.opts.seed)
-    out = []
+    out: list[Unit] = []
     for repo in (r for r in repos if r.ok):
+        out += [(repo, c) for c in invert.candidates(repo.history, ctx.opts.history_commits)]
         by_kind: dict[str, list[mutations.Mutation]] = {}
         for path in repo.source_files:
             source = (Path(repo.path) / path).read_text(errors="replace")
@@ -52,8 +61,10 @@ def units(repos: list[FeasibleRepo], ctx: Context) -> list[tuple[FeasibleRepo, m
     return out
 
 
-def unit_key(unit: tuple[FeasibleRepo, mutations.Mutation]) -> str:
+def unit_key(unit: Unit) -> str:
     repo, m = unit
+    if isinstance(m, history.Commit):  # the hash of the hash: task ids do not carry commit ids
+        return f"{repo.key}-commit-{hashlib.sha256(m.sha.encode()).hexdigest()[:10]}"
     h = hashlib.sha256(f"{m.path}:{m.lineno}:{m.col}:{m.end_col}:{m.new}".encode()).hexdigest()[:8]
     stem = re.sub(r"[^A-Za-z0-9]+", "-", Path(m.path).stem).strip("-").lower()
     return f"{repo.key}-{stem}-{m.kind.replace('_', '-')}-{m.lineno}-{h}"
@@ -111,12 +122,19 @@ def statement_leaks(statement: str, spec: SpecRecord, test_ids: list[str]) -> li
     old = spec.mutation.get("old", "").strip()
     if len(old) >= 6 and not old.isidentifier() and old in statement:
         leaks.append(f"fixed code {old!r}")
+    subject = spec.origin.get("subject", "").strip()
+    if len(subject) >= 12 and _norm(subject).lower() in _norm(statement).lower():
+        leaks.append("commit subject")
     for tid in test_ids:
         name = re.sub(r"\[.*\]$", "", tid.split("::")[-1])
         if re.search(rf"\b{re.escape(name)}\b", statement):
             leaks.append(f"test name {name}")
     leaks += [f"hash {h}" for h in _HASH.findall(statement)]
     return sorted(set(leaks))
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
 
 
 def fix_needles(original: str, mutant_tree: dict[str, bytes], m: mutations.Mutation) -> list[str]:
@@ -133,40 +151,95 @@ def fix_needles(original: str, mutant_tree: dict[str, bytes], m: mutations.Mutat
 StatementWriter = Callable[[SpecRecord, FeasibleRepo], tuple[str, list[str]]]
 
 
-def process(unit: tuple[FeasibleRepo, mutations.Mutation], ctx: Context) -> SpecRecord:
+def process(unit: Unit, ctx: Context) -> SpecRecord:
+    if isinstance(unit[1], history.Commit):
+        return process_commit(unit, ctx)
     repo, m = unit
     t0 = time.monotonic()
     rec = SpecRecord(key=unit_key(unit), task_id=unit_key(unit), repo_key=repo.key, repo_path=repo.path,
-                     repo_image=repo.image, test_files=repo.test_files, mutation=m.to_dict())
+                     repo_image=repo.image, test_files=repo.test_files, origin={"kind": "mutation"},
+                     mutation=m.to_dict())
     original = (Path(repo.path) / m.path).read_text()
     mutant = mutations.apply(original, m)
     rec.bug_patch = mutations.unified_diff(m.path, original, mutant)
     rec.gold_patch = mutations.unified_diff(m.path, mutant, original)
     run = run_suite(probe_task(repo.image, repo.test_files), rec.bug_patch, pool=ctx.shared_pool(repo.image))
     rec.seconds = time.monotonic() - t0
-    if not run.statuses:  # nothing reported: the suite could not even be collected
-        category = "breaks collection" if run.agreement else "mutant run failed"
-        return rec.drop(f"{category}: no test results ({run.reason})"[:1000])
-    passing = set(repo.passing)
-    broken = sorted(t for t in passing if run.statuses.get(t, "missing") != "passed")
-    if any(run.statuses.get(t, "missing") == "missing" for t in broken):
-        return rec.drop("breaks collection: tests vanish on the mutant")
-    if not broken:
-        return rec.drop("equivalent mutant: no passing test fails")
-    if len(broken) > MAX_F2P:
-        return rec.drop(f"too broad: {len(broken)} tests fail")
-    rec.f2p, rec.p2p = broken, sorted(passing - set(broken))
-    rec.failures = {t: run.messages.get(t, "") for t in broken}
-    writer: StatementWriter = ctx.hooks.get("statement_writer", write_statement)
-    rec.problem_statement, rec.quoted = writer(rec, repo)
-    leaks = statement_leaks(rec.problem_statement, rec, rec.f2p + rec.p2p)
-    if leaks:
-        return rec.drop("statement leak: " + "; ".join(leaks)[:500])
-    if not rec.quoted:
-        return rec.drop("no observable failure to describe")
+    if not _classify(rec, run, set(repo.passing), repo, ctx):
+        return rec
     tree = {p: (Path(repo.path) / p).read_bytes() for p in repo.source_files + repo.test_files}
     tree[m.path] = mutant.encode()
     rec.needles = fix_needles(original, tree, m)
     if not rec.needles:
         return rec.drop("fix not distinctive: the fixed text exists elsewhere in the tree")
     return rec
+
+
+def process_commit(unit: Unit, ctx: Context) -> SpecRecord:
+    """Invert one commit: its tree is the fixed state (built as an image and run twice), the parent's
+    non-test files over it the broken state (run once, as a patch, in the same grader)."""
+    repo, commit = unit
+    t0 = time.monotonic()
+    key = unit_key(unit)
+    dest = ctx.out_dir / NAME / "commits" / key
+    rec = SpecRecord(key=key, task_id=key, repo_key=repo.key, repo_path=str(dest),
+                     origin={"kind": "commit", "commit": commit.sha, "parent": commit.parent,
+                             "subject": commit.subject})
+    try:
+        inv = invert.invert(repo.history, commit, dest)
+    except (ValueError, RuntimeError) as e:
+        return rec.drop(f"not invertible: {e}"[:500])
+    rec.test_files, rec.overrides, rec.bug_patch, rec.gold_patch = (inv.test_files, inv.overrides, inv.bug_patch,
+                                                                    inv.gold_patch)
+    if not inv.overrides:
+        return rec.drop("not invertible: no non-test file changes")
+    digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(inv.fixed.items()))).hexdigest()[:16]
+    rec.repo_image = f"flashpost/synth-repo:{repo.key}-{digest}"
+    try:
+        build_tree_image(inv.fixed, rec.repo_image)
+    except RuntimeError as e:
+        return rec.drop(f"build failed: {e}"[:1000])
+    probe = probe_task(rec.repo_image, inv.test_files)
+    with GraderPool(max_graders=1, graders_per_image=1) as pool:
+        base = [run_suite(probe, "", pool=pool) for _ in range(BASELINE_RUNS)]
+        passing = set.intersection(*(r.passed() for r in base))
+        if not passing:
+            rec.seconds = time.monotonic() - t0
+            return rec.drop(f"fixed state fails: no test passes on the commit ({base[0].reason})"[:1000])
+        run = run_suite(probe, inv.bug_patch, pool=pool)
+    rec.seconds = time.monotonic() - t0
+    statement_repo = dataclasses.replace(repo, path=str(dest), test_files=inv.test_files)
+    if not _classify(rec, run, passing, statement_repo, ctx):
+        return rec
+    rec.needles = invert.needles(inv, commit)
+    if len(rec.needles) <= 2:  # only the commit ids: nothing of the fix itself to search for
+        return rec.drop("fix not distinctive: the fixed text exists elsewhere in the tree")
+    return rec
+
+
+def _classify(rec: SpecRecord, run: SuiteRun, passing: set[str], repo: FeasibleRepo, ctx: Context) -> bool:
+    """F2P/P2P from the broken state's run, then the statement and its leak scan; False: dropped."""
+    if not run.statuses:  # nothing reported: the suite could not even be collected
+        category = "breaks collection" if run.agreement else "broken run failed"
+        rec.drop(f"{category}: no test results ({run.reason})"[:1000])
+        return False
+    broken = sorted(t for t in passing if run.statuses.get(t, "missing") != "passed")
+    if any(run.statuses.get(t, "missing") == "missing" for t in broken):
+        rec.drop("breaks collection: tests vanish in the broken state")
+    elif not broken:
+        rec.drop("equivalent mutant: no passing test fails" if rec.mutation else
+                 "no failing test: every test of the commit passes on the parent's code")
+    elif len(broken) > MAX_F2P:
+        rec.drop(f"too broad: {len(broken)} tests fail")
+    if not rec.ok:
+        return False
+    rec.f2p, rec.p2p = broken, sorted(passing - set(broken))
+    rec.failures = {t: run.messages.get(t, "") for t in broken}
+    writer: StatementWriter = ctx.hooks.get("statement_writer", write_statement)
+    rec.problem_statement, rec.quoted = writer(rec, repo)
+    leaks = statement_leaks(rec.problem_statement, rec, rec.f2p + rec.p2p)
+    if leaks:
+        rec.drop("statement leak: " + "; ".join(leaks)[:500])
+    elif not rec.quoted:
+        rec.drop("no observable failure to describe")
+    return rec.ok

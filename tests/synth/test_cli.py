@@ -40,3 +40,19 @@ def test_build_flags_follow_synth_config_names():
     args = parser().parse_args(["build", "--repo", "pypi:six==1.16.0", "--out", "o", "--budget", "5",
                                 "--concurrency", "3"])
     assert (args.repo, args.out, args.budget, args.concurrency) == ("pypi:six==1.16.0", "o", 5, 3)
+
+
+def test_solver_flags_and_options_roundtrip(tmp_path):
+    from synth.config import FactoryOptions
+
+    args = parser().parse_args(["build", "--policy-checkpoint", "ck.safetensors", "--policy-max-turns", "3",
+                                "--history-commits", "7"])
+    assert (args.policy_checkpoint, args.policy_max_turns, args.history_commits) == ("ck.safetensors", 3, 7)
+    opts = FactoryOptions(repo="r", history_commits=7)
+    opts.solvers.policy.checkpoint = "ck.safetensors"
+    opts.solvers.llm.api_key = "sk-secret"
+    doc = json.loads(json.dumps(opts.to_dict()))
+    assert "api_key" not in doc["solvers"]["llm"]  # options.json never holds the key
+    back = FactoryOptions.from_dict(doc)
+    assert back.solvers.policy.checkpoint == "ck.safetensors" and back.history_commits == 7
+    assert back.to_dict() == doc

@@ -97,7 +97,7 @@ def test_image_that_leaks_the_fix_is_caught_by_build(run_dir, tmp_path):
     spec = dataclasses.replace(_one_spec(out), task_id="leaky-history", key="leaky-history")
     path = spec.mutation["path"]
     files = repo_files(spec.repo_path)  # the original tree, committed first, then mutated in place
-    files[".flashpost-mutant"] = build.mutant_files(spec)[path]
+    files[".flashpost-mutant"] = build.task_files(spec)[path]
     script = (f"{PURGE}; git init -q -b main && git add -A -- . ':!.flashpost-mutant' && git commit -q -m base && "
               f"mv .flashpost-mutant {path} && git commit -q -am 'inject bug'")
     rec = build_task(spec, Context(opts_for(tmp_path), tmp_path), files=files, script=script)
