@@ -1,6 +1,6 @@
 """Benchmark of the Triton kernels against their torch references, one JSON line per measurement.
 
-    python bench/kernels.py [--quick] [--only quant,mhc,attn,moe,step]
+    python bench/kernels.py [--quick] [--no-compile] [--only quant,mhc,attn,moe,step]
 
 For each kernel, in one process on one GPU: Triton time (best of a small tile sweep), the torch
 reference eager and under `torch.compile`, achieved GB/s (bytes the op must move) or TFLOP/s, and
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HBM_PEAK = 4.8e12
 BF16_PEAK = 790e12
+_OPTS = {"no_compile": False}  # --no-compile: skip the torch.compile references (minutes of compiling)
 
 
 def _bench(fn, warmup: int = 10, rep: int = 50) -> float:
@@ -68,6 +69,7 @@ def _compare(
     sweep=None,
     compiled_fn=None,
     check=None,
+    rounds=1,
     **meta,
 ):
     """Time triton_fn (or each (config, fn) of sweep, keeping the best), eager_fn, and eager_fn under
@@ -75,16 +77,25 @@ def _compare(
     maps a Triton output to an accuracy figure reported with each swept config."""
     rec = {"kernel": name, **meta}
     best = None
-    for cfg, fn in sweep or [(None, triton_fn)]:
+    live, times = [], {}
+    for i, (cfg, fn) in enumerate(sweep or [(None, triton_fn)]):
         try:
             out = fn()
             acc = {} if check is None else {"check": check(out)}
-            ms = _bench(fn)
         except Exception as e:
             _emit({"kernel": name, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
+        live.append((i, cfg, fn, acc))
+    # the configs timed round-robin `rounds` times, each keeping its best: a slow spell of the
+    # machine then costs every config a round instead of ranking the configs by when they ran
+    for _ in range(rounds):
+        for i, _cfg, fn, _acc in live:
+            times.setdefault(i, []).append(_bench(fn))
+    for i, cfg, _fn, acc in live:
+        ms = min(times[i])
         if sweep:
-            _emit({"kernel": name, "config": cfg, "sweep": True, **acc, **_rates(ms, nbytes, flops, copy_bw)})
+            spread = {"ms_rounds": [round(t, 5) for t in times[i]]} if rounds > 1 else {}
+            _emit({"kernel": name, "config": cfg, "sweep": True, **acc, **_rates(ms, nbytes, flops, copy_bw), **spread})
         if best is None or ms < best[1]:
             best = (cfg, ms)
     if best is None:
@@ -94,7 +105,9 @@ def _compare(
     eager_ms = _bench(eager_fn)
     rec["torch_eager"] = _rates(eager_ms, nbytes, flops, copy_bw)
     rec["speedup_vs_eager"] = round(eager_ms / best[1], 2)
-    cfn = _try_compile(eager_fn) if compiled_fn is None else _try_compile(compiled_fn, wrap=False)
+    cfn = None
+    if not _OPTS["no_compile"]:
+        cfn = _try_compile(eager_fn) if compiled_fn is None else _try_compile(compiled_fn, wrap=False)
     if cfn is not None:
         comp_ms = _bench(cfn)
         rec["torch_compile"] = _rates(comp_ms, nbytes, flops, copy_bw)
@@ -133,10 +146,16 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     from kernels import quant as kq
 
     n, shape = x.numel(), tuple(x.shape)
-    qdq_cfgs = [{"rows": 128, "num_warps": 4}, {"rows": 256, "num_warps": 4}, {"rows": 256, "num_warps": 8},
-                {"rows": 512, "num_warps": 8}]  # fmt: skip
-    pack_cfgs = [{"pairs": True, "rows_pairs": r, "num_warps": w} for r, w in ((128, 4), (256, 4), (512, 4), (512, 8))]
-    pack_cfgs += [{"pairs": False, "rows": 128, "num_warps": 4, "strided": st} for st in (False, True)]
+    # one-thread-per-group kernels (16-bit inputs) and, for comparison, the earlier tile kernels
+    tiles = ((128, 4), (256, 4), (256, 8), (512, 8))
+    grp = lambda kern: [{"groups": True, kern: {fmt: {"rows": r, "num_warps": w}}} for r, w in tiles]
+    qdq_cfgs = grp("qdq_groups") + [{"groups": False, "rows": r, "num_warps": w} for r, w in ((128, 4), (256, 8))]
+    # (each swept config replaces its kernel's whole format -> tile map; `default` restores it)
+    pack_cfgs = grp("pack_groups") + [
+        {"groups": False, "pairs": True, "rows_pairs": r, "num_warps": 4} for r in (128, 256)
+    ]
+    if fmt == kq.FMT_FP8:  # no FP8 groups pack kernel: the tile kernel is the one timed
+        pack_cfgs = [{"rows": r, "num_warps": w} for r, w in ((128, 4), (256, 4), (256, 8))]
     default = dict(kq.CONFIG)
 
     def sweep_of(fn, cfgs):
@@ -149,7 +168,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     y_ref = ref(x)
     qdq_sweep = sweep_of(lambda: tri(x), qdq_cfgs)
     _compare(f"fake_quant_{name}", None, lambda: ref(x), 4 * n, None, copy_bw, qdq_sweep,
-             check=lambda y: torch.equal(y, y_ref), shape=shape)  # fmt: skip
+             check=lambda y: torch.equal(y, y_ref), rounds=2, shape=shape)  # fmt: skip
     kq.CONFIG.update(default)
 
     q_tri = {kq.FMT_FP8: kq.quantize_fp8_packed, kq.FMT_FP4_E4M3: kq.quantize_fp4_e4m3_packed}.get(
@@ -163,7 +182,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     nbytes = 2 * n + (n if fmt == kq.FMT_FP8 else n // 2) + n // block
     pack_sweep = sweep_of(lambda: q_tri(x), pack_cfgs)
     _compare(f"quantize_pack_{name}", None, lambda: q_ref(x), nbytes, None, copy_bw, pack_sweep,
-             check=lambda o: torch.equal(o[0], qr) and torch.equal(o[1], sr), shape=shape)  # fmt: skip
+             check=lambda o: torch.equal(o[0], qr) and torch.equal(o[1], sr), rounds=2, shape=shape)  # fmt: skip
     kq.CONFIG.update(default)
 
     qt, st = q_tri(x)
@@ -175,9 +194,11 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
         sfmt = "e4m3" if fmt == kq.FMT_FP4_E4M3 else "ue8m0"
         deq = lambda: kq.dequantize_fp4_packed(qt, st, sfmt)
         deq_ref = lambda: kq.dequantize_fp4_ref(kq.unpack_e2m1_ref(qr), sf, torch.bfloat16)
-    deq_cfgs = [{"rows_dequant": 64}, {"rows_dequant": 128}]
+    deq_cfgs = [{"groups": False, "rows_dequant": 64}, {"groups": False, "rows_dequant": 128}]
+    if fmt != kq.FMT_FP8:
+        deq_cfgs = grp("unpack_groups") + deq_cfgs
     _compare(f"dequantize_unpack_{name}", None, deq_ref, nbytes, None, copy_bw, sweep_of(deq, deq_cfgs),
-             check=lambda y: torch.equal(y, y_ref), shape=shape)  # fmt: skip
+             check=lambda y: torch.equal(y, y_ref), rounds=2, shape=shape)  # fmt: skip
     kq.CONFIG.update(default)
 
 
@@ -211,7 +232,7 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
     pc = torch.rand(T, 4, device="cuda", generator=g)
     ins = [f, res, post, comb, pc, p["fn"], p["scale"], p["base"]]
     kw = {"norm_eps": 1e-20, "hc_eps": 1e-6}
-    default = dict(km.CONFIG)
+    default, default_fwd = dict(km.CONFIG), dict(km.FWD_CONFIG)
     fwd = lambda: km.hc_post_mixes_pre(*ins, **kw)
     fwd_ref = lambda: km.hc_post_mixes_pre_ref(*ins, **kw)
     o, r = fwd(), fwd_ref()
@@ -224,11 +245,12 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
     nbytes_fwd = T * 10 * D * 2
     sweep = []
     for bt, bd, nw, ns, npr in ((32, 64, 4, 1, 1024), (32, 64, 4, 2, 1024), (64, 64, 8, 1, 1024),
-                                (16, 64, 4, 1, 2048)):  # fmt: skip
+                                (16, 64, 4, 1, 2048), (64, 32, 4, 1, 1024), (128, 32, 8, 1, 1024),
+                                (64, 64, 4, 1, 512), (32, 32, 4, 1, 2048)):  # fmt: skip
         cfg = {"BT": bt, "BD": bd, "num_warps": nw, "num_stages": ns, "programs": npr}
 
         def run(cfg=cfg):
-            km.CONFIG.update(cfg)
+            km.FWD_CONFIG.update(cfg)
             return fwd()
 
         sweep.append((cfg, run))
@@ -238,7 +260,7 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
         max((a - b).abs().max().item() for a, b in zip(o[2:], r[2:])),
     ]
     _compare("mhc_fwd", None, fwd_ref, nbytes_fwd, None, copy_bw, sweep, check=check, T=T, D=D, **err)
-    km.CONFIG.update(default)
+    km.FWD_CONFIG.update(default_fwd)  # the fwd+bwd sweep below tunes the backward's CONFIG
 
     leaves = [t.clone().requires_grad_() for t in ins]
     grads = [torch.randn_like(t) for t in r]
@@ -250,7 +272,8 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
     # forward (10·D) + backward (reads f, 4 res, 4 stream grads, x_in grad; writes f and 4 res grads: 15·D)
     nbytes_fb = T * 25 * D * 2
     sweep = []
-    for bt, bd, nw, npr in ((32, 64, 4, 1024), (32, 64, 8, 1024), (16, 64, 4, 2048)):
+    for bt, bd, nw, npr in ((32, 64, 4, 1024), (32, 64, 8, 1024), (16, 64, 4, 2048), (64, 32, 4, 1024),
+                            (32, 32, 4, 2048), (64, 64, 8, 1024)):  # fmt: skip
         cfg = {"BT": bt, "BD": bd, "num_warps": nw, "num_stages": 1, "programs": npr}
 
         def run(cfg=cfg):
@@ -393,39 +416,7 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
 
     fwd = lambda: km.moe_experts(*args)
     fwd_bwd = lambda: torch.autograd.grad(km.moe_experts(*args), leaves, dy)
-    cands = {
-        "up": [
-            {"BM": 128, "BN": 64, "BK": 64, "num_warps": 8, "num_stages": 4},
-            {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
-            {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
-            {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
-        ],
-        "down": [
-            {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
-            {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
-            {"BM": 128, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
-            {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
-        ],
-    }
-    cands["dh"] = cands["up"]
-    cands["dx"] = cands["down"]
-    cands["wgrad"] = cands["down"]
-    # greedy per-kernel search: the forward kernels timed on the forward, the backward ones on fwd+bwd
-    for role in () if quick else ("up", "down", "dh", "dx", "wgrad"):  # --quick: the CONFIG as is
-        best = None
-        for cfg in cands[role]:
-            km.CONFIG[role] = cfg
-            fn = fwd if role in ("up", "down") else fwd_bwd
-            try:
-                fn()
-                ms = _bench(fn)
-            except Exception as e:
-                _emit({"kernel": f"moe_{role}", "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                continue
-            _emit({"kernel": f"moe_{role}", "config": cfg, "sweep": True, "ms": round(ms, 5)})
-            if best is None or ms < best[1]:
-                best = (cfg, ms)
-        km.CONFIG[role] = best[0]
+    _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune=not quick)
     y = fwd()
     gs = fwd_bwd()
     check = {"y_rel_err": rel(y, y_ref), "grad_rel_err_max": max(rel(a, b) for a, b in zip(gs, g_ref))}
@@ -451,12 +442,90 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
-        rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
-        per_call = {e.key[:60]: round(e.device_time_total / 5, 1) for e in rows}
+        rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:30]
+        per_call = {e.key[:60]: round(e.device_time_total / 5, 1) for e in rows if e.device_time_total > 0}
         gpu_us = sum(e.device_time_total for e in prof.key_averages()) / 5
+        n_launch = sum(e.count for e in prof.key_averages()) / 5
         _emit({"kernel": f"moe_{name}_gpu_time", "per_call_us": per_call, "gpu_us_per_call": round(gpu_us, 1),
+               "kernels_per_call": n_launch,
                "TFLOP_s_on_gpu_time": round(fl / (gpu_us * 1e-6) / 1e12, 1),
                "frac_of_dense_cublas_gpu_time": round(dense_ms * 1e3 / gpu_us, 3)})  # fmt: skip
+
+
+_MOE_CANDIDATES = {  # (BM, BN, BK, num_warps, num_stages)
+    "up": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 8, 4),
+           (128, 64, 128, 8, 3)],
+    "down": [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4),
+             (64, 256, 64, 8, 3), (128, 128, 128, 8, 2), (64, 128, 128, 4, 3)],
+    "dh": [(128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+           (64, 64, 64, 4, 4), (128, 64, 128, 8, 3)],
+    "dx": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4),
+           (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
+    "wgrad": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+              (128, 128, 32, 8, 4), (64, 128, 64, 4, 4), (128, 256, 32, 8, 4)],
+}  # fmt: skip
+
+
+def _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune: bool) -> None:
+    """Each grouped GEMM launched alone on prepared operands (the fwd+bwd wall time is bound by the
+    host, so timing the whole call would pick configs by launch noise): its TFLOP/s per config, the
+    best kept in km.CONFIG when `tune`, else the current config timed once."""
+    E = len(w1s)
+    Fi, D = w1s[0].shape
+    sched = km._Schedule(idx, E)
+    N = sched.N
+    w1, w1ofs = km._weight_offsets([w.detach() for w in w1s])
+    w3, w3ofs = km._weight_offsets([w.detach() for w in w3s])
+    w2, w2ofs = km._weight_offsets([w.detach() for w in w2s])
+    xd = x.detach()
+    wgt_N = wgt.detach().float().flatten().index_select(0, sched.slot_N.long()).contiguous()
+    dev, dt = x.device, x.dtype
+    gu = torch.empty(N, 2 * Fi, dtype=dt, device=dev)
+    h = torch.empty(N, Fi, dtype=dt, device=dev)
+    km._up(sched, xd, w1, w1ofs, w3, w3ofs, wgt_N, gu, h, 10.0, km.CONFIG["up"])
+    y = torch.empty(N, D, dtype=dt, device=dev)
+    dyN = dy.reshape(N, D)
+    dgu = torch.randn(N, 2 * Fi, dtype=dt, device=dev)
+    dx_N = torch.empty(N, D, dtype=dt, device=dev)
+    flop = 2.0 * N * D * Fi  # one [N, D] x [D, F] product
+
+    def launch(role, cfg):
+        if role == "up":
+            return lambda: km._up(sched, xd, w1, w1ofs, w3, w3ofs, wgt_N, gu, h, 10.0, cfg), 2 * flop
+        if role == "down":
+            return lambda: km._rows_mm(sched, h, None, w2, w2ofs, y, sched.slot_N, Fi, D, 1, Fi, cfg), flop
+        if role == "dh":
+            n_ft = Fi // km._tile(cfg, Fi, "BN")
+            part = torch.zeros(N, n_ft, dtype=torch.float32, device=dev)
+            dgu_out = torch.empty_like(gu)
+            return (lambda: km._rows_mm(sched, dyN, sched.slot_N, w2, w2ofs, dgu_out, None, D, Fi, Fi, 1, cfg,
+                                        swiglu=(gu, wgt_N, part), limit=10.0)), flop  # fmt: skip
+        if role == "dx":
+            return (lambda: km._rows_mm(sched, dgu, None, w1, w1ofs, dx_N, sched.slot_N, Fi, D, D, 1, cfg, b2=w3,
+                                        b2ofs=w3ofs)), 2 * flop  # fmt: skip
+        return (lambda: (km._wgrad(sched, dgu, None, xd, sched.tok_N, 2 * Fi, D, dt, cfg),
+                         km._wgrad(sched, dyN, sched.slot_N, h, None, D, Fi, dt, cfg))), 3 * flop  # fmt: skip
+
+    keys = ("BM", "BN", "BK", "num_warps", "num_stages")
+    summary = {}
+    for role in ("up", "down", "dh", "dx", "wgrad"):
+        cands = [dict(zip(keys, c)) for c in _MOE_CANDIDATES[role]] if tune else [km.CONFIG[role]]
+        best = None
+        for cfg in cands:
+            fn, fl = launch(role, cfg)
+            try:
+                fn()
+                ms = _bench(fn, rep=30)
+            except Exception as e:
+                _emit({"kernel": f"moe_{role}", "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            _emit({"kernel": f"moe_{role}", "config": cfg, "sweep": True, **_rates(ms, flops=fl)})
+            if best is None or ms < best[1]:
+                best = (cfg, ms, fl)
+        if best is not None:
+            km.CONFIG[role] = best[0]
+            summary[role] = {"config": best[0], **_rates(best[1], flops=best[2])}
+    _emit({"kernel": "moe_per_kernel_best", "tuned": tune, **summary})
 
 
 def bench_step(copy_bw: float, quick: bool) -> None:
@@ -510,7 +579,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer cases")
     ap.add_argument("--only", default="quant,mhc,attn,moe")
+    ap.add_argument("--no-compile", action="store_true", help="time the torch references eager only")
     args = ap.parse_args()
+    _OPTS["no_compile"] = args.no_compile
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "bench/kernels.py needs a CUDA GPU"}))
         return

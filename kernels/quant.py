@@ -11,7 +11,12 @@ their e4m3fn bit pattern and UE8M0 scales as the biased exponent byte (2^(b-127)
 The torch references live in `model/quant.py` and are re-exported here with an `_ref` suffix.
 Scales are computed on the fp32 bits, x/s is an exact reciprocal multiply (power-of-two scales) or an
 IEEE `div_rn`, there is no FMA contraction, and the fp8/bf16 casts are the hardware RNE ones on the GPU
-(emulated on the bits under the interpreter), so both give the references' bits.
+(emulated on the bits under the interpreter), so both give the references' bits. The kernels are
+bound by instruction issue as much as by HBM, so the E2M1 rounding is one float add (`_e2m1_parts`),
+the E4M3 scale of 16-bit inputs a multiply by fl(1/6) (`_group_scale`), and the unpack two exact
+multiplies per value (`_unpack_word`); each shortcut is checked exhaustively against the reference
+arithmetic. Two layouts: tile kernels (threads along a group) and per-group kernels (one thread per
+group, 16-bit tensors), chosen per kind and format in CONFIG.
 Block-scaled GEMMs are not here.
 
 Shape legend: G = number of quantisation groups (numel / block), B = block, R = groups per program.
@@ -92,7 +97,17 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # measured 13% faster there, one load + tl.split for MXFP4, where stride-2 measured 1.7x slower).
 # "pairs": FP4 packing reads (even, odd) pairs as one 32/64-bit word (_fp4_pack_pairs_kernel) with
 # "rows_pairs" groups per program; False keeps the element kernel (_quant_pack_kernel).
-CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256}
+# "groups": 16-bit tensors may take the one-thread-per-group kernels (_qdq_groups_kernel, and for FP4
+# _fp4_pack_groups_kernel / _fp4_unpack_groups_kernel): "<kind>_groups" maps a format to that
+# kernel's tile (groups per program, warps) or to None, which keeps the tile kernel above. That
+# layout computes each scale once with no shuffles but its 16-byte accesses stride by a whole group
+# (uncoalesced per instruction): on the H200 it won for the MXFP4 pack (66% of HBM against 58%) and
+# the E4M3/16 unpack (58% against 47%), and lost for the fake quant (MXFP4 62% against 80%).
+_PACK_GROUPS = {FMT_FP4_E4M3: None, FMT_MXFP4: {"rows": 256, "num_warps": 8}}
+_UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
+CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,
+          "groups": True, "qdq_groups": {FMT_FP8: None, FMT_FP4_E4M3: None, FMT_MXFP4: None},
+          "pack_groups": _PACK_GROUPS, "unpack_groups": _UNPACK_GROUPS}  # fmt: skip
 # Under TRITON_INTERPRET=1 the fp8 / bf16 casts are emulated on the bits (the interpreter's own casts
 # truncate); compiled for the GPU the hardware RNE-satfinite conversions are used. Both round to
 # nearest-even, which the parity tests check with torch.equal on each side.
@@ -204,13 +219,20 @@ def _pow2_ceil(x):
 
 
 @triton.jit
-def _group_scale(amax, FMT: tl.constexpr):
-    """Per-group amax (fp32) -> fp32 scale exact in its storage format."""
+def _group_scale(amax, FMT: tl.constexpr, X16: tl.constexpr = False):
+    """Per-group amax (fp32) -> fp32 scale exact in its storage format. X16: amax is a 16-bit
+    (bf16 / fp16) value, for which amax·fl(1/6) rounds to the same e4m3 scale as the IEEE amax/6
+    (checked over every bf16 and fp16 value: a tie t of the e4m3 grid has <= 5 significant bits, so
+    amax = 6t is caught exactly, and amax ≠ 6t puts amax/6 >= 2^-11·t away from it, far beyond the
+    one-ulp error of the multiply); a multiply instead of a division."""
     if FMT == 0:
         s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
     elif FMT == 1:
-        amax_d6 = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
-        s = _round_e4m3_mag(tl.minimum(amax_d6, 448.0))
+        if X16:
+            amax_d6 = tl.maximum(amax, 0.01171875) * (1.0 / 6.0)
+        else:
+            amax_d6 = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
+        s = _round_e4m3(tl.minimum(amax_d6, 448.0))  # > 0: the hardware RNE cast on the GPU
     else:
         s = _pow2_ceil(tl.maximum(amax, 6.0 * 1.1754943508222875e-38) * (1.0 / 6.0))
     return s
@@ -220,7 +242,7 @@ def _group_scale(amax, FMT: tl.constexpr):
 def _scale_byte(s, FMT: tl.constexpr):
     """fp32 scale -> storage byte: UE8M0 biased exponent, or e4m3fn bits."""
     if FMT == 1:
-        b = _e4m3_code_of_mag(s)
+        b = _e4m3_byte(s)
     else:
         b = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
     return b
@@ -228,35 +250,36 @@ def _scale_byte(s, FMT: tl.constexpr):
 
 @triton.jit
 def _e2m1_parts(v, SNAP: tl.constexpr):
-    """|v| clamped to 6 (snapped to a multiple of 2^-14 with SNAP, see _scaled), then the two RNE
-    roundings on the bits: 2·mag to an integer (E2M1 subnormals, step 0.5 below 1) via the 1.5·2^23
-    trick, and mag to one mantissa bit (E2M1 normals, mag >= 1) by adding 0x1FFFFF plus the kept bit.
-    Fewer instructions than a step-size search: the quantisers are issue-bound at HBM speed."""
+    """|v| clamped to 6 (snapped to a multiple of 2^-14 with SNAP, see _scaled) and rounded to the E2M1
+    grid in ONE float add: the grid step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], and adding
+    C = 1.5·2^(22+k) (k = max(exponent - 1, 0), read off the bits) leaves exactly step-sized ulps, so
+    the add itself is the RNE rounding. Returns (C, mag + C, k): the rounded value is (mag + C) - C and
+    its code (mag + C)'s low mantissa bits (the multiple of the step, 0..4) plus 2k. Checked equal
+    to the table rounding for every fp32 in [0, 8]; fewer instructions than two rounding paths and a
+    select (the quantisers are issue-bound at HBM speed)."""
     mag = tl.minimum(tl.abs(v), 6.0)
     if SNAP:
         mag = (mag + 768.0) - 768.0
-    small = mag * 2.0 + 12582912.0
-    bits = mag.to(tl.int32, bitcast=True)
-    rb = bits + 0x1FFFFF + ((bits >> 22) & 1)
-    return mag, small, rb
+    k = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) - 127, 0)
+    c = ((k << 23) + 1254096896).to(tl.float32, bitcast=True)  # 1254096896 == (149 << 23) | 2^22
+    return c, mag + c, k
 
 
 @triton.jit
 def _e2m1_qdq(v, SNAP: tl.constexpr):
     """x/s (fp32) -> rounded E2M1 value (fp32), sign kept (also of zero), magnitude clamped to 6."""
-    mag, small, rb = _e2m1_parts(v, SNAP)
-    r = tl.where(mag < 1.0, (small - 12582912.0) * 0.5, (rb & -4194304).to(tl.float32, bitcast=True))
-    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+    c, sc, k = _e2m1_parts(v, SNAP)
+    r = sc - c
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e2m1_code(v, SNAP: tl.constexpr):
-    """x/s (fp32) -> 4-bit E2M1 code (bit 3 = sign bit of v): 2·mag below 1, else
-    (exponent << 1 | mantissa bit) - 252 of the rounded value."""
-    mag, small, rb = _e2m1_parts(v, SNAP)
-    c = tl.where(mag < 1.0, small.to(tl.int32, bitcast=True) & 3, (rb >> 22) - 252)
-    return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    """x/s (fp32) -> 4-bit E2M1 code (bit 3 = sign bit of v)."""
+    c, sc, k = _e2m1_parts(v, SNAP)
+    code = (sc.to(tl.int32, bitcast=True) & 15) + 2 * k
+    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
@@ -290,8 +313,9 @@ def _qdq_kernel(x_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, 
     offs_RB = g_R[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask_RB = (g_R < n_groups)[:, None]
     x_RB = tl.load(x_ptr + offs_RB, mask=mask_RB, other=0.0).to(tl.float32)
-    s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT)
-    RECIP: tl.constexpr = FMT == 1 and x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    X16: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT, X16)
+    RECIP: tl.constexpr = FMT == 1 and X16
     v_RB = _scaled(x_RB, s_R, FMT, RECIP)
     if FMT == 0:
         q_RB = _round_e4m3(tl.minimum(tl.maximum(v_RB, -448.0), 448.0))
@@ -317,13 +341,13 @@ def _quant_pack_kernel(
         even_RH = tl.load(x_ptr + offs_RH, mask=mask_R[:, None], other=0.0).to(tl.float32)
         odd_RH = tl.load(x_ptr + offs_RH + 1, mask=mask_R[:, None], other=0.0).to(tl.float32)
         amax_R = tl.maximum(tl.max(tl.abs(even_RH), axis=1), tl.max(tl.abs(odd_RH), axis=1))
-        s_R = _group_scale(amax_R, FMT)
+        s_R = _group_scale(amax_R, FMT, RECIP)
         even_RH = _scaled(even_RH, s_R, FMT, RECIP)
         odd_RH = _scaled(odd_RH, s_R, FMT, RECIP)
     else:
         offs_RB = g_R[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         x_RB = tl.load(x_ptr + offs_RB, mask=mask_R[:, None], other=0.0).to(tl.float32)
-        s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT)
+        s_R = _group_scale(tl.max(tl.abs(x_RB), axis=1), FMT, RECIP)
         v_RB = _scaled(x_RB, s_R, FMT, RECIP)
     tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
     if FMT == 0:
@@ -362,11 +386,158 @@ def _fp4_pack_pairs_kernel(
         odd_RH = (w_RH >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     RECIP: tl.constexpr = FMT == 1 and SRC != 2
     amax_R = tl.maximum(tl.max(tl.abs(even_RH), axis=1), tl.max(tl.abs(odd_RH), axis=1))
-    s_R = _group_scale(amax_R, FMT)
+    s_R = _group_scale(amax_R, FMT, SRC != 2)
     tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
     byte_RH = _e2m1_code(_scaled(even_RH, s_R, FMT, RECIP), RECIP)
     byte_RH |= _e2m1_code(_scaled(odd_RH, s_R, FMT, RECIP), RECIP) << 4
     tl.store(q_ptr + offs_RH, byte_RH.to(tl.uint8), mask=mask_R[:, None])
+
+
+@triton.jit
+def _halves_of_words(w, SRC: tl.constexpr):
+    """int32 words of two 16-bit values (SRC 0: bf16, 1: fp16) -> (even, odd) elements as fp32."""
+    if SRC == 0:
+        even = (w << 16).to(tl.float32, bitcast=True)
+        odd = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _pack_word(w, r_R, FMT: tl.constexpr, SRC: tl.constexpr):
+    """4 words [R, 4] (8 elements) of one group -> their 4 packed E2M1 bytes as one int32 [R]; r_R is
+    the per-group multiplier (exact 1/s, or fl(1/s) for E4M3 with the snap of `_scaled`)."""
+    even, odd = _halves_of_words(w, SRC)
+    SNAP: tl.constexpr = FMT == 1
+    byte = _e2m1_code(even * r_R[:, None], SNAP) | (_e2m1_code(odd * r_R[:, None], SNAP) << 4)
+    # the 4 bytes are disjoint bit fields, so their sum is their OR (within one thread: no shuffles)
+    return tl.sum(byte << (8 * tl.arange(0, 4))[None, :], axis=1)
+
+
+@triton.jit
+def _fp4_pack_groups_kernel(
+    xw_ptr, q_ptr, s_ptr, n_groups,
+    FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SRC: tl.constexpr,
+):  # fmt: skip
+    """FP4 quantise+pack of 16-bit x with ONE THREAD PER GROUP: the group is loaded as BLOCK/8 chunks
+    of 4 words (16 bytes each, [R, 4] tensors that Triton lays out one row per thread), so the amax,
+    the scale and its reciprocal are computed once per group with no cross-thread shuffles, and the
+    group's packed bytes leave as one (E4M3/16) or two (MXFP4/32) 8-byte stores. q is viewed as int64."""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mask_R = g_R < n_groups
+    WPG: tl.constexpr = BLOCK // 2
+    offs_R4 = g_R[:, None] * WPG + tl.arange(0, 4)[None, :]
+    w0 = tl.load(xw_ptr + offs_R4, mask=mask_R[:, None], other=0)
+    w1 = tl.load(xw_ptr + offs_R4 + 4, mask=mask_R[:, None], other=0)
+    e0, o0 = _halves_of_words(w0, SRC)
+    e1, o1 = _halves_of_words(w1, SRC)
+    amax = tl.maximum(tl.maximum(tl.abs(e0), tl.abs(o0)), tl.maximum(tl.abs(e1), tl.abs(o1)))
+    if BLOCK == 32:
+        w2 = tl.load(xw_ptr + offs_R4 + 8, mask=mask_R[:, None], other=0)
+        w3 = tl.load(xw_ptr + offs_R4 + 12, mask=mask_R[:, None], other=0)
+        e2, o2 = _halves_of_words(w2, SRC)
+        e3, o3 = _halves_of_words(w3, SRC)
+        amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.abs(e2), tl.abs(o2)), tl.maximum(tl.abs(e3), tl.abs(o3))))
+    s_R = _group_scale(tl.max(amax, axis=1), FMT, True)
+    tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
+    if FMT == 1:
+        r_R = tl.math.div_rn(tl.full(s_R.shape, 1.0, tl.float32), s_R)
+    else:
+        r_R = _pow2_inv(s_R)
+    lo = _pack_word(w0, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
+    hi = _pack_word(w1, r_R, FMT, SRC).to(tl.int64)
+    if BLOCK == 16:
+        tl.store(q_ptr + g_R, lo | (hi << 32), mask=mask_R)
+    else:
+        tl.store(q_ptr + 2 * g_R, lo | (hi << 32), mask=mask_R)
+        lo = _pack_word(w2, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
+        hi = _pack_word(w3, r_R, FMT, SRC).to(tl.int64)
+        tl.store(q_ptr + 2 * g_R + 1, lo | (hi << 32), mask=mask_R)
+
+
+@triton.jit
+def _qdq_chunk(x, s_R, r_R, FMT: tl.constexpr, OT: tl.constexpr):
+    """One [R, 8] chunk of a 16-bit group: fake quant with the group's scale s (r: the exact 1/s of a
+    UE8M0 scale, or fl(1/s) of an E4M3 one with the snap of `_scaled`), rounded to the output dtype."""
+    if FMT == 0:
+        q = _round_e4m3(tl.minimum(tl.maximum(x * r_R[:, None], -448.0), 448.0))
+    else:
+        q = _e2m1_qdq(x * r_R[:, None], FMT == 1)
+    return cast_rne(q * s_R[:, None], OT)
+
+
+@triton.jit
+def _qdq_groups_kernel(x_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """`_qdq_kernel` for 16-bit x with one thread per group: chunks of 8 elements (16 bytes, [R, 8]
+    tensors laid out one row per thread), the scale computed once per group, no shuffles."""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m_R1 = (g_R < n_groups)[:, None]
+    offs_R8 = g_R[:, None] * BLOCK + tl.arange(0, 8)[None, :]
+    x0 = tl.load(x_ptr + offs_R8, mask=m_R1, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + offs_R8 + 8, mask=m_R1, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.abs(x0), tl.abs(x1))
+    if BLOCK == 32:
+        x2 = tl.load(x_ptr + offs_R8 + 16, mask=m_R1, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + offs_R8 + 24, mask=m_R1, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(x2), tl.abs(x3)))
+    s_R = _group_scale(tl.max(amax, axis=1), FMT, True)
+    if FMT == 1:
+        r_R = tl.math.div_rn(tl.full(s_R.shape, 1.0, tl.float32), s_R)
+    else:
+        r_R = _pow2_inv(s_R)
+    OT: tl.constexpr = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs_R8, _qdq_chunk(x0, s_R, r_R, FMT, OT), mask=m_R1)
+    tl.store(y_ptr + offs_R8 + 8, _qdq_chunk(x1, s_R, r_R, FMT, OT), mask=m_R1)
+    if BLOCK == 32:
+        tl.store(y_ptr + offs_R8 + 16, _qdq_chunk(x2, s_R, r_R, FMT, OT), mask=m_R1)
+        tl.store(y_ptr + offs_R8 + 24, _qdq_chunk(x3, s_R, r_R, FMT, OT), mask=m_R1)
+
+
+@triton.jit
+def _unpack_word(w_R, s_R, OT: tl.constexpr):
+    """int32 word [R] of 8 packed E2M1 codes (low nibble first) -> the 8 values · s as [R, 8] in OT.
+    A code's 3 magnitude bits shifted to fp32 bit 22 are the E2M1 value times 2^-126 exactly (code 1:
+    the subnormal 2^-127; 2..7: exponent (c >> 1), mantissa bit c & 1), so one multiply by 2^126 and
+    one by the scale (both exact, power-of-two or e4m3 x E2M1 products) give the value."""
+    nib = (w_R[:, None] >> (4 * tl.arange(0, 8))[None, :]) & 15
+    bits = ((nib & 7) << 22) | ((nib & 8) << 28)
+    v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    return cast_rne(v * s_R[:, None], OT)
+
+
+@triton.jit
+def _fp4_unpack_groups_kernel(qw_ptr, s_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.constexpr,
+                              ROWS: tl.constexpr):  # fmt: skip
+    """Inverse of `_fp4_pack_groups_kernel` with one thread per group: the group's packed words (q
+    viewed as int32) in one load, each word expanded to 8 values stored as one 16-byte chunk."""
+    pid = tl.program_id(0)
+    g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mask_R = g_R < n_groups
+    sb_R = tl.load(s_ptr + g_R, mask=mask_R, other=127).to(tl.int32)
+    if FMT == 1:
+        s_R = _e4m3_of_byte(sb_R)
+    else:
+        s_R = (sb_R << 23).to(tl.float32, bitcast=True)
+    WPG: tl.constexpr = BLOCK // 8
+    w = tl.load(qw_ptr + g_R[:, None] * WPG + tl.arange(0, WPG)[None, :], mask=mask_R[:, None], other=0)
+    OT: tl.constexpr = y_ptr.dtype.element_ty
+    offs_R8 = g_R[:, None] * BLOCK + tl.arange(0, 8)[None, :]
+    if BLOCK == 16:
+        w0, w1 = tl.split(w)
+        tl.store(y_ptr + offs_R8, _unpack_word(w0, s_R, OT), mask=mask_R[:, None])
+        tl.store(y_ptr + offs_R8 + 8, _unpack_word(w1, s_R, OT), mask=mask_R[:, None])
+    else:
+        w02, w13 = tl.split(tl.reshape(w, (ROWS, 2, 2)))
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+        tl.store(y_ptr + offs_R8, _unpack_word(w0, s_R, OT), mask=mask_R[:, None])
+        tl.store(y_ptr + offs_R8 + 8, _unpack_word(w1, s_R, OT), mask=mask_R[:, None])
+        tl.store(y_ptr + offs_R8 + 16, _unpack_word(w2, s_R, OT), mask=mask_R[:, None])
+        tl.store(y_ptr + offs_R8 + 24, _unpack_word(w3, s_R, OT), mask=mask_R[:, None])
 
 
 @triton.jit
@@ -410,10 +581,17 @@ def _check(x: torch.Tensor, block: int) -> int:
     return x.numel() // block
 
 
-def _launch_opts() -> dict:
+def _launch_opts(num_warps: int | None = None) -> dict:
     # the interpreter rejects compiler options; on the GPU turn FMA contraction off for exactness
     # No FMA contraction: every product/sum must round exactly like the reference's separate ops.
-    return {} if _interpreting() else {"num_warps": CONFIG["num_warps"], "enable_fp_fusion": False}
+    return {} if _interpreting() else {"num_warps": num_warps or CONFIG["num_warps"], "enable_fp_fusion": False}
+
+
+def _groups_tile(kind: str, fmt: int, x: torch.Tensor) -> dict | None:
+    """The per-group kernel's tile for this kind ("qdq", "pack", "unpack") and format, or None."""
+    if not CONFIG["groups"] or x.element_size() != 2:
+        return None
+    return CONFIG[f"{kind}_groups"].get(fmt)
 
 
 def _interpreting() -> bool:
@@ -425,7 +603,13 @@ def qdq(x: torch.Tensor, fmt: int, block: int | None = None) -> torch.Tensor:
     block = block or _DEFAULT_BLOCK[fmt]
     n_groups = _check(x, block)
     y = torch.empty_like(x)
-    if n_groups:
+    tile = _groups_tile("qdq", fmt, x)
+    if n_groups and tile:
+        rows = tile["rows"]
+        grid = (triton.cdiv(n_groups, rows),)
+        opts = _launch_opts(tile["num_warps"])
+        _qdq_groups_kernel[grid](x, y, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, **opts)
+    elif n_groups:
         rows = CONFIG["rows"]
         grid = (triton.cdiv(n_groups, rows),)
         _qdq_kernel[grid](x, y, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, **_launch_opts())
@@ -446,6 +630,20 @@ def quantize_packed(x: torch.Tensor, fmt: int, block: int | None = None) -> tupl
     s = torch.empty(*x.shape[:-1], n // block, dtype=torch.uint8, device=x.device)
     if not n_groups:
         return q, s
+    tile = _groups_tile("pack", fmt, x) if fmt != FMT_FP8 else None  # FP4 packing only
+    if tile:
+        try:
+            xw = x.view(torch.int32)
+        except RuntimeError:  # storage offset not pair-aligned: the element kernel below
+            xw = None
+        if xw is not None:
+            rows = tile["rows"]
+            grid = (triton.cdiv(n_groups, rows),)
+            src = 0 if x.dtype == torch.bfloat16 else 1
+            opts = _launch_opts(tile["num_warps"])
+            _fp4_pack_groups_kernel[grid](xw, q.view(torch.int64), s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows,
+                                          SRC=src, **opts)  # fmt: skip
+            return q, s
     if fmt != FMT_FP8 and CONFIG["pairs"]:
         src = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
         try:
@@ -475,7 +673,13 @@ def dequantize_packed(q: torch.Tensor, s: torch.Tensor, fmt: int, dtype: torch.d
     assert block in (16, 32)
     y = torch.empty(*q.shape[:-1], n, dtype=dtype, device=q.device)
     n_groups = s.numel()
-    if n_groups:
+    tile = _groups_tile("unpack", fmt, y) if fmt != FMT_FP8 else None
+    if n_groups and tile:
+        rows = tile["rows"]
+        grid = (triton.cdiv(n_groups, rows),)
+        opts = _launch_opts(tile["num_warps"])
+        _fp4_unpack_groups_kernel[grid](q.view(torch.int32), s, y, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, **opts)
+    elif n_groups:
         rows = CONFIG["rows_dequant"]
         grid = (triton.cdiv(n_groups, rows),)
         _dequant_kernel[grid](q, s, y, n_groups, FMT=fmt, BLOCK=block, ROWS=rows, **_launch_opts())

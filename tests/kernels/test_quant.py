@@ -81,6 +81,21 @@ def test_fake_quant_bit_exact(device, fmt, dtype, shape):
 
 
 @pytest.mark.parametrize("fmt", list(FAKE))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fake_quant_both_kernels_16bit(device, fmt, dtype, monkeypatch):
+    """16-bit inputs through the tile kernel and through the per-group one."""
+    monkeypatch.setitem(kq.CONFIG, "groups", True)
+    monkeypatch.setitem(kq.CONFIG, "qdq_groups", {fmt_: {"rows": 32, "num_warps": 4} for fmt_ in range(3)})
+    tri, ref, _ = FAKE[fmt]
+    x = _wide_range((65, 64), torch.float32, device).clamp(-6e4, 6e4).to(dtype)
+    assert torch.equal(tri(x), ref(x))
+    monkeypatch.setitem(kq.CONFIG, "groups", False)
+    tri, ref, _ = FAKE[fmt]
+    x = _wide_range((65, 64), torch.float32, device).clamp(-6e4, 6e4).to(dtype)
+    assert torch.equal(tri(x), ref(x))
+
+
+@pytest.mark.parametrize("fmt", list(FAKE))
 def test_fake_quant_ties(device, fmt):
     tri, ref, block = FAKE[fmt]
     x = _ties(block, fmt, device)
@@ -119,12 +134,19 @@ def test_fake_quant_straight_through(device):
         ((5, 64), "pairs", torch.float16),
         ((3, 96), "pairs", torch.float32),
         ((6, 32), "strided", torch.float16),
+        ((131, 64), "groups", torch.bfloat16),
+        ((5, 96), "groups", torch.float16),
     ],
 )
 def test_quantize_pack_bit_exact(device, fmt, shape, path, dtype, monkeypatch):
-    # every fp4 pack path: one load + tl.split, stride-2 loads, (even, odd) pairs as one word
+    # every fp4 pack path: one load + tl.split, stride-2 loads, (even, odd) pairs as one word, one
+    # thread per group (16-bit inputs; also the unpack and fake-quant kernels of that layout)
     monkeypatch.setitem(kq.CONFIG, "strided", path == "strided")
     monkeypatch.setitem(kq.CONFIG, "pairs", path == "pairs")
+    monkeypatch.setitem(kq.CONFIG, "groups", path == "groups")
+    tile = {"rows": 64, "num_warps": 4}  # several programs, a partial last one
+    for kern in ("qdq_groups", "pack_groups", "unpack_groups"):
+        monkeypatch.setitem(kq.CONFIG, kern, {f: tile for f in (kq.FMT_FP8, kq.FMT_FP4_E4M3, kq.FMT_MXFP4)})
     code, tri, ref, block = PACK[fmt]
     if dtype == torch.float16:
         x = _wide_range(shape, torch.float32, device).clamp(-6e4, 6e4).to(dtype)
