@@ -23,6 +23,14 @@ from model.compressor import Compressor
 from model.config import ModelArgs
 from model.indexer import Indexer, IndexerOutput
 from model.norm import RMSNorm
+from model.packed_cache import (
+    pack_index_k,
+    pack_main_kv,
+    pack_window_kv,
+    unpack_index_k,
+    unpack_main_kv,
+    unpack_window_kv,
+)
 from model.quant import fp4_e4m3_fake_quant, fp8_fake_quant
 from model.rope import apply_rotary_emb
 
@@ -220,11 +228,14 @@ def build_incremental_layout(
     ratios: tuple[int, ...],
     block_size: int,
     device: torch.device,
+    window_start: int = 0,
 ) -> AttnLayout:
     """Layout of a call over tokens start_pos .. start_pos+seqlen-1 of one document per row, after
-    `start_pos` cached tokens (window KV rows start at absolute token `window_base`)."""
+    `start_pos` cached tokens (window KV rows start at absolute token `window_base`).
+    `window_start`: the window sees no token before it (CED decoder bounded replay confines local
+    attention to its segment, model/ced.py); compressed groups and RoPE keep absolute positions."""
     q_abs = (start_pos + torch.arange(seqlen, device=device)).expand(batch, seqlen)
-    win = window_topk_idxs(q_abs, torch.zeros_like(q_abs), window, base=window_base)
+    win = window_topk_idxs(q_abs, torch.full_like(q_abs, window_start), window, base=window_base)
     bs = max(block_size, 1)
     groups = {}
     for r in ratios:
@@ -268,7 +279,14 @@ class LayerCache:
     [B,G,Di], and for ratio r > 1 raw_kv/raw_score fp32 [B,<=r-1+max_rollback,Dh]: the
     compressor's per-token projections of the newest tokens, the tail of which is the incomplete
     group (the reference's kv_state/score_state). `max_rollback` tokens can be dropped again by
-    `truncate` (speculative verification)."""
+    `truncate` (speculative verification).
+
+    `packed`: window_kv, compress_kv and index_k hold the byte entries of model/packed_cache.py
+    (uint8 [B,T,Dh+Dh/32], [B,G,Dh/2+Dh/16], [B,G,Di/2+Di/32]) instead of dense tensors; rows stay
+    tokens/groups, so truncation and batching slice and stack them alike. Lossless only for values
+    already on the fake-quant grid (QAT on; Attention refuses a packed cache otherwise). `dtype`
+    names the dense dtype the entries unpack to (set by the first write). raw_kv/raw_score stay
+    fp32 in both modes. Read and extend through `append_window`, `append_bank` and `bank`."""
 
     ratio: int = 0
     max_rollback: int = 0
@@ -277,6 +295,8 @@ class LayerCache:
     index_k: torch.Tensor | None = None
     raw_kv: torch.Tensor | None = None
     raw_score: torch.Tensor | None = None
+    packed: bool = False
+    dtype: str = ""  # a str, not a torch.dtype: engine batching compares plain fields
 
     def truncate(self, n_drop: int, new_len: int) -> None:
         """Forget the newest `n_drop` tokens (<= max_rollback), leaving `new_len` tokens."""
@@ -288,6 +308,55 @@ class LayerCache:
         if self.raw_kv is not None:
             keep = self.raw_kv.size(1) - n_drop
             self.raw_kv, self.raw_score = self.raw_kv[:, :keep], self.raw_score[:, :keep]
+
+    def _dense_dtype(self, like: torch.Tensor) -> torch.dtype:
+        name = str(like.dtype).removeprefix("torch.")
+        if self.dtype and self.dtype != name:
+            raise ValueError(f"packed LayerCache unpacks to {self.dtype}, got a {name} write")
+        self.dtype = name
+        return like.dtype
+
+    def append_window(self, kv_BSD: torch.Tensor, keep: int) -> torch.Tensor:
+        """The window rows attended this call, [cached ; new] [B,T,Dh] dense; stores the newest `keep`."""
+        if not self.packed:
+            kv_BTD = kv_BSD if self.window_kv is None else torch.cat([self.window_kv, kv_BSD], dim=1)
+            self.window_kv = kv_BTD[:, max(0, kv_BTD.size(1) - keep) :]
+            return kv_BTD
+        dtype = self._dense_dtype(kv_BSD)
+        new = pack_window_kv(kv_BSD)  # entries are per row: packing only the new rows is exact
+        kv_BTD, rows = kv_BSD, new
+        if self.window_kv is not None:
+            kv_BTD = torch.cat([unpack_window_kv(self.window_kv, dtype), kv_BSD], dim=1)
+            rows = torch.cat([self.window_kv, new], dim=1)
+        self.window_kv = rows[:, max(0, rows.size(1) - keep) :]
+        return kv_BTD
+
+    def bank(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored global bank (compressed KV [B,G,Dh], index keys [B,G,Di]) as dense tensors."""
+        assert self.compress_kv is not None and self.index_k is not None, "no bank in this cache"
+        if not self.packed:
+            return self.compress_kv, self.index_k
+        dtype = dtype or getattr(torch, self.dtype)
+        return unpack_main_kv(self.compress_kv, dtype), unpack_index_k(self.index_k, dtype)
+
+    def append_bank(self, ckv_BND: torch.Tensor, k_BND: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new groups to the bank; returns all groups (cached + new) dense."""
+        if not self.packed:
+            if self.compress_kv is not None:
+                ckv_BND = torch.cat([self.compress_kv, ckv_BND], dim=1)
+                k_BND = torch.cat([self.index_k, k_BND], dim=1)
+            self.compress_kv, self.index_k, self.ratio = ckv_BND, k_BND, ratio
+            return ckv_BND, k_BND
+        dtype = self._dense_dtype(ckv_BND)
+        if k_BND.dtype != dtype:
+            raise ValueError(f"packed bank: index keys are {k_BND.dtype}, compressed KV {dtype}")
+        new_kv, new_k = pack_main_kv(ckv_BND), pack_index_k(k_BND)
+        if self.compress_kv is not None:
+            old_kv, old_k = self.bank(dtype)
+            ckv_BND, k_BND = torch.cat([old_kv, ckv_BND], dim=1), torch.cat([old_k, k_BND], dim=1)
+            new_kv, new_k = torch.cat([self.compress_kv, new_kv], dim=1), torch.cat([self.index_k, new_k], dim=1)
+        self.compress_kv, self.index_k, self.ratio = new_kv, new_k, ratio
+        return ckv_BND, k_BND
 
 
 @dataclass
@@ -301,6 +370,9 @@ class AttnContext:
     freqs_anchor: dict[int, torch.Tensor]
     qat: bool
     indexer_loss: bool = False
+    # The kv sources' caches already hold every group this call's queries see (CED decoder replay:
+    # the decoder bank was projected beforehand); they publish it without projecting new groups.
+    bank_ready: bool = False
 
 
 def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> torch.Tensor:
@@ -369,10 +441,9 @@ class Attention(nn.Module):
             kv_BSD = fp8_fake_quant(kv_BSD)
         kv_BTD = kv_BSD
         if cache is not None:
-            if cache.window_kv is not None:
-                kv_BTD = torch.cat([cache.window_kv, kv_BSD], dim=1)
-            keep = min(kv_BTD.size(1), self.window_size - 1 + cache.max_rollback)
-            cache.window_kv = kv_BTD[:, kv_BTD.size(1) - keep :]
+            if cache.packed and not ctx.qat:
+                raise ValueError("a packed LayerCache is lossless only on the fake-quant grid: run with qat on")
+            kv_BTD = cache.append_window(kv_BSD, self.window_size - 1 + cache.max_rollback)
         lay = ctx.layout
         ckv_BGD = cidx_BSK = index_out = p_comp = None
         if self.compress_ratio > 0:
@@ -423,31 +494,38 @@ class Attention(nn.Module):
             )
         return latent_BND
 
+    def project_groups(
+        self, x_BSD: torch.Tensor, gl: GroupLayout, fa_BNr: torch.Tensor, qat: bool, cache: LayerCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A kv source's global bank: the new groups' compressed KV [B,N,Dh] (post-RoPE, QDQ'd) and
+        index keys [B,N,Di], appended to `cache` when given; returns all groups (cached + new).
+        x is this layer's attention input (attn_norm output); gl/fa its ratio's layout and anchors."""
+        r = self.compress_ratio
+        latent_BND = self._compress(x_BSD, gl, cache)
+        # The indexer consumes the RoPE-free latent; detached so the indexer trains only
+        # through its alignment loss.
+        assert self.indexer is not None
+        if latent_BND.size(1) == 0:  # no group completed in this call (e.g. ratio-2 odd step)
+            k_BND, ckv_BND = latent_BND.new_zeros(*latent_BND.shape[:2], self.indexer.head_dim), latent_BND
+        else:
+            k_BND = self.indexer.index_keys(latent_BND.detach(), fa_BNr, qat)
+            ckv_BND = apply_rotary_emb(latent_BND, fa_BNr)  # group j rotates at its anchor position
+            if qat:  # compressed main KV: E2M1 with E4M3 scales per 16, post-RoPE (§3.10)
+                ckv_BND = fp4_e4m3_fake_quant(ckv_BND)
+        if cache is not None:
+            ckv_BND, k_BND = cache.append_bank(ckv_BND, k_BND, r)
+        return ckv_BND, k_BND
+
     def _compressed(self, x_BSD, qr_BSQ, freqs_BSr, ctx: AttnContext, cache: LayerCache | None):
         """Compressed KV [B,G,Dh] this layer attends and its top-k group indices [B,S,K]."""
         r, st, qat = self.compress_ratio, ctx.state, ctx.qat
         gl = ctx.layout.groups[r]
         if self.compressor is not None:
-            fa_BNr = ctx.freqs_anchor[r]
-            latent_BND = self._compress(x_BSD, gl, cache)
-            # The indexer consumes the RoPE-free latent; detached so the indexer trains only
-            # through its alignment loss.
-            assert self.indexer is not None
-            if latent_BND.size(1) == 0:  # no group completed in this call (e.g. ratio-2 odd step)
-                k_BND, ckv_BND = (
-                    latent_BND.new_zeros(*latent_BND.shape[:2], self.indexer.head_dim),
-                    latent_BND,
-                )
+            if ctx.bank_ready:
+                assert cache is not None and cache.compress_kv is not None, "bank_ready needs the bank in the cache"
+                ckv_BND, k_BND = cache.bank()
             else:
-                k_BND = self.indexer.index_keys(latent_BND.detach(), fa_BNr, qat)
-                ckv_BND = apply_rotary_emb(latent_BND, fa_BNr)  # group j rotates at its anchor position
-                if qat:  # compressed main KV: E2M1 with E4M3 scales per 16, post-RoPE (§3.10)
-                    ckv_BND = fp4_e4m3_fake_quant(ckv_BND)
-            if cache is not None:
-                if cache.compress_kv is not None:
-                    ckv_BND = torch.cat([cache.compress_kv, ckv_BND], dim=1)
-                    k_BND = torch.cat([cache.index_k, k_BND], dim=1)
-                cache.compress_kv, cache.index_k, cache.ratio = ckv_BND, k_BND, r
+                ckv_BND, k_BND = self.project_groups(x_BSD, gl, ctx.freqs_anchor[r], qat, cache)
             # Published on every call, also when no group completed: a ratio-2 source then scores
             # its OWN keys, fixing the reference's stale-index_k decode bug (model_reference §3.8).
             st.compress_kv[r], st.index_k[r] = ckv_BND, k_BND

@@ -14,8 +14,14 @@ Results do not depend on the grouping (each session samples from its own generat
 
 Feeding is lazy: `start`/`extend` only record tokens; the next `prefill`/`generate` feeds them (in
 chunks of `prefill_chunk`). The last generated token is fed when the session next advances.
-Not here: CED prefill, prefix-cache tiers, DSpark speculation, packed cache storage (the caches hold
-the dense fake-quantised tensors of attention.py; `cache_bytes` reports their packed size).
+DSpark speculative decoding: `generate_speculative` (engine built with `speculative=`), the step
+itself in model/speculative.py.
+CED prefill (`prefill_mode="ced"`): each prompt (what a prefill or the start of a generate call feeds)
+goes through model/ced.py; decode steps are plain incremental calls.
+Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix.
+Packed cache storage (`packed_cache=True`, QAT models): the sessions' LayerCaches hold the byte entries
+of model/packed_cache.py (attention.py packs on write, unpacks on read); by default they hold the dense
+fake-quantised tensors. `cache_bytes` reports the packed size either way.
 """
 
 from __future__ import annotations
@@ -28,10 +34,21 @@ from typing import Literal
 import torch
 
 from model.attention import LayerCache
+from model.ced import EngramFn, ced_prefill, check_ced
 from model.chat_template import ChatTemplate
+from model.dspark import DSparkCache
 from model.engram import EngramHasher
 from model.packed_cache import model_cache_bytes
+from model.prefix_cache import PrefixCache
 from model.sampling import sample
+from model.speculative import (
+    CostModel,
+    SpecStats,
+    SpeculativeConfig,
+    measure_cost_model,
+    speculative_step,
+    sync_drafter,
+)
 from model.tokenizer import Tokenizer
 from model.transformer import ModelCache, Transformer, make_engram_inputs
 
@@ -66,6 +83,10 @@ class _Session:
     next_logits: torch.Tensor | None = None
     next_version: int = 0  # policy version of the weights that computed next_logits
     versions: list[int | None] = field(default_factory=list)  # per token; None = not generated
+    # speculative engines: DSpark context [1,n,X] of the newest fed tokens (ends at cache.seq_len) that
+    # the drafter has not consumed yet, and the session's acceptance statistics
+    main_hidden: torch.Tensor | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def n_unfed(self) -> int:
@@ -85,14 +106,41 @@ class InferenceEngine:
         device: str | torch.device = "cpu",
         max_seq_len: int | None = None,
         prefill_chunk: int = 512,
+        prefill_mode: Literal["ced", "full"] = "full",
+        prefix_cache: PrefixCache | None = None,
+        speculative: SpeculativeConfig | None = None,
+        packed_cache: bool = False,
     ):
         self.device = torch.device(device)
+        # packed_cache: sessions' LayerCaches store the window rings as FP8 and the global banks as
+        # FP4/MXFP4 bytes (model/packed_cache.py), unpacked to dense on every read. Off by default:
+        # without a kernel reading the bytes, each step unpacks the whole bank in torch (memory for
+        # compute), and the prefix cache, CED tests and cache inspection read the dense fields.
+        if packed_cache and not model.args.qat:
+            raise ValueError("packed_cache is lossless only with qat on (values on the fake-quant grid)")
+        if packed_cache and prefix_cache is not None:
+            raise ValueError("the prefix cache stores dense LayerCache fields: use packed_cache=False with it")
+        self.packed_cache = packed_cache
         self.model = model.to(self.device).eval()
         self.tokenizer = template.tokenizer if isinstance(template, ChatTemplate) else template
         self.default_stop_ids: tuple[int, ...] = template.stop_ids if isinstance(template, ChatTemplate) else ()
         self.max_sessions = max_sessions
         self.max_seq_len = max_seq_len or model.args.max_seq_len
         self.prefill_chunk = prefill_chunk
+        # "ced": prompts are prefilled with CED decoder bounded replay (model/ced.py; train on such
+        # rollouts with model.replay.simulated_forward); "full": the whole stack over every position.
+        if prefill_mode not in ("ced", "full"):
+            raise ValueError(f"prefill_mode must be 'ced' or 'full', got {prefill_mode!r}")
+        if prefill_mode == "ced":
+            check_ced(model.args)
+        self.prefill_mode = prefill_mode
+        # prefix-cache tiers (model/prefix_cache.py): sessions start from the longest stored prefix of
+        # their prompt, and every CED prefill stores the state it reached
+        if prefix_cache is not None and prefill_mode != "ced":
+            raise ValueError("a prefix cache needs prefill_mode='ced'")
+        if prefix_cache is not None and prefix_cache.packed and not model.args.qat:
+            raise ValueError("packed banks are exact only for QAT caches: use PrefixCache(packed=False) with qat off")
+        self.prefix_cache = prefix_cache
         self.policy_version = 0
         # Engram layers hash n-grams of token ids: the model's own hasher reads the context from the
         # cache; without one, the engine hashes with its tokenizer, context from the session's tokens.
@@ -102,9 +150,20 @@ class InferenceEngine:
                 raise ValueError("a model with Engram layers needs an engram_hasher or a tokenizer to build one")
             self._hasher = EngramHasher(model.args, self.tokenizer)
         self._sessions: dict[int, _Session] = {}
-        # model calls made, tokens fed (rows x positions), tokens generated: for benches and tests
-        self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0}
+        # model calls made, tokens fed (rows x positions), tokens generated, tokens the decoder replayed in
+        # CED prefills (rows x positions): for benches and tests
+        self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0}
         self._next_id = 0
+        # DSpark speculation: caches keep max_draft tokens of rollback, fed tokens keep their DSpark context
+        self.speculative = speculative
+        self._max_rollback = 0
+        self._spec_costs: dict[int, CostModel] = {}
+        if speculative is not None:
+            if model.mtp is None:
+                raise ValueError("speculative decoding needs a DSpark drafter (dspark_block_size > 0)")
+            self._max_rollback = speculative.max_draft or model.args.dspark_block_size
+            if not 1 <= self._max_rollback <= model.args.dspark_block_size:
+                raise ValueError(f"max_draft must be in 1..dspark_block_size={model.args.dspark_block_size}")
 
     # ------------------------------------------------------------------ weights
     def load_state_dict(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
@@ -124,8 +183,16 @@ class InferenceEngine:
         if not prompt_ids:
             raise ValueError("a session needs at least one prompt token")
         sid, self._next_id = self._next_id, self._next_id + 1
-        self._sessions[sid] = _Session([], ModelCache())
+        self._sessions[sid] = _Session([], self._new_cache())
         self.extend(sid, prompt_ids)
+        if self.prefix_cache is not None:
+            s = self._sessions[sid]
+            cache, _ = self.prefix_cache.lookup(
+                self.model, s.token_ids, max_rollback=self._max_rollback,
+                engram_inputs=self._engram_fn([s.token_ids]), device=self.device,
+            )  # fmt: skip
+            if cache is not None:
+                s.cache = cache
         return sid
 
     def extend(self, session_id: int, new_ids: Sequence[int]) -> None:
@@ -177,11 +244,28 @@ class InferenceEngine:
         """Feed every recorded but unfed token of the sessions (all by default); returns how many."""
         sessions = [self._get(i) for i in (self.session_ids if session_ids is None else session_ids)]
         n = sum(s.n_unfed for s in sessions)
-        self._feed(sessions)
+        self._feed(sessions, prompt=True)
         return n
 
-    def _feed(self, sessions: Sequence[_Session]) -> None:
+    def _new_cache(self) -> ModelCache:
+        # CED sessions remember the last window of encoder output: the next prompt's replay reaches back
+        enc = self.model.args.window_size if self.prefill_mode == "ced" else 0
+        cache = ModelCache(max_rollback=self._max_rollback, encoder_out_len=enc)
+        if self.packed_cache:  # allocated here, not by the model, to carry the flag
+            cache.layers = [LayerCache(max_rollback=self._max_rollback, packed=True) for _ in self.model.layers]
+        return cache
+
+    def _feed(self, sessions: Sequence[_Session], prompt: bool = False) -> None:
+        """Feed the unfed tokens. `prompt`: they end a prompt (prefill, or the first feed of a generate
+        call: one turn's prompt end), which CED prefills; else a decode step (one generated token)."""
         todo = [s for s in sessions if s.n_unfed > 0]
+        if prompt and self.prefill_mode == "ced":
+            groups: dict[tuple, list[_Session]] = {}
+            for s in todo:
+                groups.setdefault((s.cache.seq_len, s.n_unfed, _signature(s.cache)), []).append(s)
+            for group in groups.values():
+                self._prefill_ced(group)
+            return
         while todo:
             groups: dict[tuple, list[_Session]] = {}
             for s in todo:
@@ -202,7 +286,11 @@ class InferenceEngine:
             c = min(start, self.model.args.engram_max_ngram_size - 1)
             context_ids = torch.tensor([s.token_ids[start - c : start] for s in group]) if c else None
             engram_inputs = make_engram_inputs(self._hasher, ids, context_ids=context_ids)
-        logits_BSV = self.model.forward_incremental(ids, start, cache, engram_inputs=engram_inputs)
+        keep_hidden = self.speculative is not None
+        out = self.model.forward_incremental(
+            ids, start, cache, engram_inputs=engram_inputs, return_main_hidden=keep_hidden
+        )  # fmt: skip
+        logits_BSV, main_hidden = out if keep_hidden else (out, None)
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += ids.numel()
         if len(group) > 1:
@@ -211,6 +299,48 @@ class InferenceEngine:
         for i, s in enumerate(group):
             s.next_logits = logits_BSV[i, -1].clone() if s.n_unfed == 0 else None
             s.next_version = self.policy_version
+            if main_hidden is not None:
+                self._stash_hidden(s, main_hidden[i : i + 1])
+
+    @torch.inference_mode()
+    def _prefill_ced(self, group: list[_Session]) -> None:
+        """CED prefill of every unfed token of the sessions of `group` (equal position and count)."""
+        start, n = group[0].cache.seq_len, group[0].n_unfed
+        ids = torch.tensor([s.token_ids[start : start + n] for s in group], dtype=torch.long, device=self.device)
+        cache = group[0].cache if len(group) == 1 else _stack([s.cache for s in group])
+        logits_BV, main_hidden, n_replay = ced_prefill(
+            self.model, ids, start, cache, chunk=self.prefill_chunk,
+            engram_inputs=self._engram_fn([s.token_ids for s in group]),
+        )  # fmt: skip
+        self.stats["forward_calls"] += 1
+        self.stats["tokens_fed"] += ids.numel()
+        self.stats["replay_tokens"] += n_replay * len(group)
+        if len(group) > 1:
+            for i, s in enumerate(group):
+                s.cache = _row(cache, i)
+        if self.speculative is not None and main_hidden is not None:
+            # the drafter's context of the fed tokens: the replayed ones, zeros before the segment
+            main_hidden = main_hidden[:, max(0, main_hidden.size(1) - n) :]
+            main_hidden = torch.nn.functional.pad(main_hidden, (0, 0, n - main_hidden.size(1), 0))
+        for i, s in enumerate(group):
+            s.next_logits = logits_BV[i].clone()
+            s.next_version = self.policy_version
+            if self.speculative is not None and main_hidden is not None:
+                self._stash_hidden(s, main_hidden[i : i + 1])
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(s.token_ids[: s.cache.seq_len], s.cache)
+
+    def _engram_fn(self, token_lists: Sequence[Sequence[int]]) -> EngramFn | None:
+        """Engram inputs of the rows' tokens at a position, hashed by the engine (None: by the model)."""
+        if self._hasher is None:
+            return None
+
+        def engram_inputs(pos: int, chunk_ids: torch.Tensor) -> dict:
+            c = min(pos, self.model.args.engram_max_ngram_size - 1)
+            context_ids = torch.tensor([list(t[pos - c : pos]) for t in token_lists]) if c else None
+            return make_engram_inputs(self._hasher, chunk_ids, context_ids=context_ids)
+
+        return engram_inputs
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -240,7 +370,7 @@ class InferenceEngine:
         gens = self._generators(seed, len(sessions))
         outs = [Generation([], [], "length", "", [], len(s.token_ids)) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
-        self._feed([sessions[i] for i in active])
+        self._feed([sessions[i] for i in active], prompt=True)
         while active:
             logits_BV = torch.stack([sessions[i].next_logits for i in active])
             token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
@@ -279,12 +409,184 @@ class InferenceEngine:
                 raise ValueError(f"{len(seeds)} seeds for {n} sessions")
         return [torch.Generator(device=self.device).manual_seed(x) for x in seeds]
 
+    # ------------------------------------------------------------------ speculative generation
+    def generate_speculative(
+        self,
+        session_ids: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_ids: Sequence[int] | None = None,
+        stop_strings: Sequence[str] = (),
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """`generate` with DSpark speculative decoding (model/speculative.py): same arguments, same
+        contract. Greedy output is token for token `generate`'s; sampled output has the same
+        distribution and log-probs under it, but not the same draws (speculation consumes randomness
+        differently, and a row's draws depend on the rows it is batched with).
+
+        The first token of a call is sampled from the prefill logits as in `generate`. Then each step
+        takes the sessions at one position (one batch), drafts, verifies anchor + k drafts in one
+        forward and accepts; every row that goes on keeps the shortest emitted length among the rows
+        that go on (rows of one forward share start_pos), so a group stays one batch. Rows that stop
+        keep their tokens up to the stop. Statistics: `speculation_stats`."""
+        if self.speculative is None:
+            raise ValueError("build the engine with speculative=SpeculativeConfig() to decode speculatively")
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError("a session may appear only once per generate call")
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer")
+        sessions = [self._get(i) for i in session_ids]
+        stops = set(self.default_stop_ids if stop_ids is None else stop_ids)
+        gens = self._generators(seed, len(sessions))
+        outs = [Generation([], [], "length", "", [], len(s.token_ids)) for s in sessions]
+        active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
+        self._feed([sessions[i] for i in active], prompt=True)
+        limits = (stops, tuple(stop_strings), max_new_tokens)
+        if active:  # first token: from the prefill logits, as `generate`
+            logits_BV = torch.stack([sessions[i].next_logits for i in active])
+            token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
+            self.stats["tokens_generated"] += len(active)
+            still = []
+            for i, tok, lp in zip(active, token_B.tolist(), logprob_B.tolist()):
+                _, finish = self._scan(sessions[i], outs[i], [tok], *limits)
+                self._commit(sessions[i], outs[i], [tok], [lp], sessions[i].next_version, finish)
+                still += [] if finish else [i]
+            active = still
+        while active:
+            groups: dict[tuple, list[int]] = {}
+            for i in active:
+                s = sessions[i]
+                n_hidden = None if s.main_hidden is None else s.main_hidden.size(1)
+                groups.setdefault((s.cache.seq_len, _signature(s.cache), n_hidden), []).append(i)
+            active = []
+            for idx in groups.values():
+                active += self._speculative_group(idx, sessions, outs, gens, temperature, top_p, limits)
+        if self.tokenizer is not None:
+            for out in outs:
+                out.text = self.tokenizer.decode(out.token_ids)
+        return outs
+
+    def speculation_stats(self, session_id: int) -> dict:
+        """The session's acceptance statistics (model.speculative.SpecStats.as_dict)."""
+        return self._get(session_id).spec.as_dict()
+
+    def speculation_cost(self, batch: int) -> CostModel:
+        """The cost model of `batch` rows: the config's, else measured on this device once and cached."""
+        if self.speculative.cost is not None:
+            return self.speculative.cost
+        if batch not in self._spec_costs:
+            self._spec_costs[batch] = measure_cost_model(
+                self.model, self._verify_forward, batch, self._max_rollback, device=self.device
+            )  # fmt: skip
+        return self._spec_costs[batch]
+
+    @torch.inference_mode()
+    def _speculative_group(self, idx, sessions, outs, gens, temperature, top_p, limits) -> list[int]:
+        """One draft-verify-accept step of sessions `idx` (same position and cache layout); returns
+        the indices that go on."""
+        cfg, group = self.speculative, [sessions[i] for i in idx]
+        p, B = group[0].cache.seq_len, len(group)
+        max_new = limits[2]
+        room = min(min(max_new - len(outs[i].token_ids), self.max_seq_len - len(sessions[i].token_ids)) for i in idx)
+        drafting = any(s.spec.off_for == 0 for s in group) and group[0].main_hidden is not None
+        k_max = min(self._max_rollback, room - 1) if drafting else 0
+        cache = group[0].cache if B == 1 else _stack([s.cache for s in group])
+        hidden = None
+        if k_max > 0:
+            hidden = sync_drafter(cache, torch.cat([s.main_hidden for s in group]))
+        cost = self.speculation_cost(B)
+        c = min(p, self.model.args.engram_max_ngram_size - 1) if self._hasher is not None else 0
+        res = speculative_step(
+            self.model, self._verify_forward, cache,
+            torch.tensor([s.token_ids[p] for s in group], device=self.device),
+            torch.tensor([s.token_ids[p - c : p] for s in group], dtype=torch.long),
+            hidden, k_max=k_max, cost=cost, temperature=temperature, top_p=top_p, generators=[gens[i] for i in idx],
+        )  # fmt: skip
+        if B > 1:
+            for b, s in enumerate(group):
+                s.cache = _row(cache, b)
+        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
+        emitted = [tokens[b][: int(res.n_accepted[b]) + 1] for b in range(B)]
+        scans = [self._scan(sessions[i], outs[i], emitted[b], *limits) for b, i in enumerate(idx)]
+        going_on = [n for n, finish in scans if finish is None]
+        m = min(going_on) if going_on else 0
+        still, t_plain, n_kept = [], cost.step_time(0), 0
+        step_time = cost.t_verify[res.k] + (cost.t_draft if k_max > 0 else 0.0)  # a draft is paid even for k = 0
+        for b, (i, s) in enumerate(zip(idx, group)):
+            n, finish = scans[b]
+            keep = m if finish is None else n
+            n_kept += keep
+            self._commit(s, outs[i], emitted[b][:keep], logprobs[b][:keep], self.policy_version, finish)
+            s.cache.truncate(p + keep)
+            if k_max > 0:  # the drafter consumed the pending context; the kept tokens' is next
+                s.main_hidden = None
+            self._stash_hidden(s, res.main_hidden[b : b + 1, :keep])
+            s.spec.record(res.k, k_max > 0, int(res.n_accepted[b]), keep, keep * t_plain / step_time, cfg)
+            still += [] if finish else [i]
+        self.stats["forward_calls"] += 1
+        self.stats["tokens_fed"] += B * (res.k + 1)
+        self.stats["tokens_generated"] += n_kept
+        return still
+
+    def _verify_forward(self, ids: torch.Tensor, cache: ModelCache, context_ids: torch.Tensor):
+        """speculative.Forward: forward_incremental at cache.seq_len with the Engram context."""
+        engram_inputs = None
+        if self._hasher is not None:
+            ctx = context_ids.cpu() if context_ids.size(1) else None
+            engram_inputs = make_engram_inputs(self._hasher, ids, context_ids=ctx)
+        return self.model.forward_incremental(
+            ids, cache.seq_len, cache, engram_inputs=engram_inputs, return_main_hidden=True
+        )  # fmt: skip
+
+    def _stash_hidden(self, s: _Session, hidden: torch.Tensor) -> None:
+        """Append the DSpark context of newly fed tokens to the session's pending context, keeping
+        what an exact draft needs (model.speculative.sync_drafter)."""
+        if s.main_hidden is not None:
+            hidden = torch.cat([s.main_hidden, hidden], dim=1)
+        keep = self.model.args.window_size + self._max_rollback
+        s.main_hidden = hidden[:, max(0, hidden.size(1) - keep) :]
+
+    def _scan(self, s: _Session, out: Generation, toks: list[int], stops, stop_strings, max_new_tokens):
+        """How many of `toks` the session keeps if they are its next tokens, and whether it then
+        finishes (a stop id/string as `generate` checks them token by token, or a length limit)."""
+        for j, tok in enumerate(toks, 1):
+            if tok in stops:
+                return j, ("stop", tok)
+            if stop_strings:
+                text = self.tokenizer.decode(out.token_ids + toks[:j])
+                hit = next((x for x in stop_strings if x in text), None)
+                if hit is not None:
+                    return j, ("stop", hit)
+            if len(out.token_ids) + j >= max_new_tokens or len(s.token_ids) + j >= self.max_seq_len:
+                return j, ("length", None)
+        return len(toks), None
+
+    def _commit(
+        self,
+        s: _Session,
+        out: Generation,
+        toks: list[int],
+        logprobs: list[float],
+        version: int,
+        finish: tuple[FinishReason, int | str | None] | None,
+    ) -> None:
+        """Append generated tokens to the session and its Generation (the newest one stays unfed)."""
+        s.token_ids += toks
+        s.versions += [version] * len(toks)
+        s.next_logits = None
+        out.token_ids += toks
+        out.logprobs += logprobs
+        out.policy_versions += [version] * len(toks)
+        if finish is not None:
+            out.finish_reason, out.stop = finish
+
 
 # ---------------------------------------------------------------------------- batching caches
 # Caches are dataclasses (ModelCache, LayerCache, ...) whose tensors all have the batch dim first.
-# Rows of equal signature stack field by field; a field of a type not known here (e.g. a DSpark
-# cache once allocated) makes the cache unique, so it is never batched, only stepped alone.
-_STACKABLE = (ModelCache, LayerCache)
+# Rows of equal signature stack field by field; a field of a type not known here makes the cache
+# unique, so it is never batched, only stepped alone.
+_STACKABLE = (ModelCache, LayerCache, DSparkCache)
 
 
 def _fields(obj) -> dict:

@@ -8,7 +8,7 @@ Every entry is one uint8 vector, payload first, then its block scales:
   window (SWA) KV     FP8 e4m3 bytes, then one UE8M0 byte per 32: head_dim + head_dim/32 bytes.
 UE8M0 is the biased exponent of a power-of-two scale (2^(e-127)). Unpacking reproduces the training
 fake quant bit for bit (`fp4_e4m3_fake_quant`, `mxfp4_fake_quant`, `fp8_fake_quant` of model/quant.py).
-Not here: storing these bytes inside LayerCache (attention.py holds dense fake-quantised tensors).
+Not here: storing these bytes inside a session's cache (attention.py's LayerCache with packed=True).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Layers share compressed KV / top-k through an explicit per-call `SharedAttnState
 (`layers.{i}.engram`) read hash ids made once per call; the DSpark drafter (`mtp.*`, model/dspark.py)
 is reached through `draft_teacher_forced` / `draft_step` on detached backbone features.
 Images enter through `images` + `token_types` (ViT and aligner in model/vision.py).
+Layer ranges (`start_streams` / `run_layers` / `collapse`, `encode_incremental`) let CED prefill and
+its training simulation (model/ced.py, model/replay.py) run the encoder and the decoder apart.
 Not here: the Engram hash, DSpark and ViT internals (their modules), checkpoint I/O, parallelism.
 """
 
@@ -73,6 +75,11 @@ class ModelCache:
     recent_ids: torch.Tensor | None = None
     # the DSpark drafter's context window (allocated by Transformer.draft_step)
     dspark: DSparkCache | None = None
+    # CED decoder bounded replay (model/ced.py): how many of the newest positions' encoder output
+    # (the decoder's input streams h [B,T,hc,D] and carried pre [B,T,hc] fp32) to keep; 0 = none.
+    encoder_out_len: int = 0
+    encoder_h: torch.Tensor | None = None
+    encoder_pre: torch.Tensor | None = None
 
     def truncate(self, new_len: int) -> None:
         """Roll back to the first `new_len` tokens (seq_len - max_rollback <= new_len <= seq_len)."""
@@ -85,7 +92,40 @@ class ModelCache:
             self.recent_ids = self.recent_ids[:, : self.recent_ids.size(1) - n_drop]
         if self.dspark is not None:
             self.dspark.truncate(new_len)
+        if self.encoder_h is not None:
+            keep = self.encoder_h.size(1) - n_drop
+            self.encoder_h, self.encoder_pre = self.encoder_h[:, :keep], self.encoder_pre[:, :keep]
         self.seq_len = new_len
+
+    def remember_encoder_out(self, h_BSCD: torch.Tensor, pre_mix_BSC: torch.Tensor) -> None:
+        """Append the encoder output of the tokens just consumed, keeping encoder_out_len (+ max_rollback)."""
+        if self.encoder_h is not None:
+            h_BSCD = torch.cat([self.encoder_h, h_BSCD], dim=1)
+            pre_mix_BSC = torch.cat([self.encoder_pre, pre_mix_BSC], dim=1)
+        start = max(0, h_BSCD.size(1) - self.encoder_out_len - self.max_rollback)
+        self.encoder_h, self.encoder_pre = h_BSCD[:, start:], pre_mix_BSC[:, start:]
+
+
+@dataclass
+class Streams:
+    """The mHC residual streams of one call between layer ranges: h [B,S,hc,D], pre_mix [B,S,hc] fp32
+    (the FFN pre carried from the last layer run), and what the layers run so far collected."""
+
+    h: torch.Tensor
+    pre_mix: torch.Tensor
+    stats: list[RouterStats] = field(default_factory=list)
+    captured: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class EncoderPass:
+    """`Transformer.encode_incremental`'s result: the streams after the encoder layers and the call's
+    context (layout, shared state), engram inputs and image mask, for the decoder layers to continue."""
+
+    streams: Streams
+    ctx: AttnContext
+    engram_inputs: dict[str, Any] | None
+    image_mask: torch.Tensor | None
 
 
 class Block(nn.Module):
@@ -136,6 +176,12 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         """h [B,S,hc,D], pre_mix [B,S,hc] fp32 -> (h, this block's FFN pre for the next block, stats)."""
         return self.run(h_BSCD, pre_mix_BSC, lambda x_BSD: self.attn(x_BSD, ctx, cache), image_mask)
+
+    def attn_input(self, h_BSCD: torch.Tensor, pre_mix_BSC: torch.Tensor) -> torch.Tensor:
+        """The attention input [B,S,D] `forward` computes from these streams (attn_norm of the collapse
+        with the carried pre): what a kv source projects its global bank from."""
+        hc = {"norm_eps": self.norm_eps, "hc_eps": self.hc_eps, "iters": self.hc_sinkhorn_iters}
+        return self.attn_norm(self.mixes_pre(h_BSCD, pre_mix_BSC, *self._hc("attn"), **hc)[0])
 
     def run(
         self,
@@ -291,30 +337,38 @@ class Transformer(nn.Module):
             h_BSD = embed_images(h_BSD, images, token_types, self.vision, self.aligner, delimiters, start_pos)
         return h_BSD
 
-    def _run_layers(
+    def start_streams(self, h_BSD: torch.Tensor) -> Streams:
+        """hc identical copies of the embeddings and the one-hot pre of block 0."""
+        B, S, _ = h_BSD.shape
+        hc = self.args.hc_mult
+        return Streams(h_BSD.unsqueeze(2).repeat(1, 1, hc, 1), identity_pre_mix(B, S, hc, device=h_BSD.device))
+
+    def run_layers(
         self,
-        input_ids: torch.Tensor,
-        h_BSD: torch.Tensor,
+        streams: Streams,
+        layer_ids: range,
         ctx: AttnContext,
         caches: list[LayerCache] | None,
         image_mask: torch.Tensor | None,
         engram_inputs: dict[str, Any] | None,
-    ) -> tuple[torch.Tensor, list[RouterStats], torch.Tensor | None]:
-        B, S = input_ids.shape
-        a = self.args
-        h_BSCD = h_BSD.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)  # hc identical copies
-        pre_mix = identity_pre_mix(B, S, a.hc_mult, device=input_ids.device)
-        stats, captured = [], []
-        for i, layer in enumerate(self.layers):
+    ) -> Streams:
+        """Advance `streams` (in place) through backbone layers `layer_ids`, in order."""
+        for i in layer_ids:
+            layer = self.layers[i]
             if layer.engram is not None:
-                h_BSCD = layer.engram(h_BSCD, **engram_inputs)
-            if i in a.dspark_target_layer_ids:  # DSpark context: mean of the streams at the INPUT
-                captured.append(h_BSCD.mean(dim=2))
-            h_BSCD, pre_mix, s = layer(h_BSCD, pre_mix, ctx, None if caches is None else caches[i], image_mask)
-            stats.append(s)
+                streams.h = layer.engram(streams.h, **engram_inputs)
+            if i in self.args.dspark_target_layer_ids:  # DSpark context: mean of the streams at the INPUT
+                streams.captured.append(streams.h.mean(dim=2))
+            cache = None if caches is None else caches[i]
+            streams.h, streams.pre_mix, s = layer(streams.h, streams.pre_mix, ctx, cache, image_mask)
+            streams.stats.append(s)
+        return streams
+
+    def collapse(self, streams: Streams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final-norm output [B,S,D], DSpark context or None) after the last layer."""
         # Final collapse with the last block's carried FFN pre (V4.1 has no separate hc_head).
-        x_BSD = self.norm(hc_pre(h_BSCD, pre_mix))
-        return x_BSD, stats, torch.cat(captured, dim=-1) if captured else None
+        x_BSD = self.norm(hc_pre(streams.h, streams.pre_mix))
+        return x_BSD, torch.cat(streams.captured, dim=-1) if streams.captured else None
 
     def _engram_inputs(
         self,
@@ -391,8 +445,10 @@ class Transformer(nn.Module):
         if compute_indexer_loss is None:
             compute_indexer_loss = torch.is_grad_enabled()
         ctx = self._context(layout, compute_indexer_loss)
-        h_BSD = self._embed(input_ids, images, token_types, 0)
-        x_BSD, stats, main_hidden = self._run_layers(input_ids, h_BSD, ctx, None, image_mask, engram_inputs)
+        streams = self.start_streams(self._embed(input_ids, images, token_types, 0))
+        self.run_layers(streams, range(a.n_layers), ctx, None, image_mask, engram_inputs)
+        x_BSD, main_hidden = self.collapse(streams)
+        stats = streams.stats
         logits = self.head(x_BSD.float())
         losses = ctx.state.indexer_losses
         indexer_loss = torch.stack(losses).mean() if losses else logits.new_zeros(())
@@ -417,6 +473,33 @@ class Transformer(nn.Module):
         engram_inputs: as forward's, with context_ids = the max_ngram-1 tokens before start_pos; without
         them the attached engram_hasher hashes with the tokens the cache remembers."""
         a = self.args
+        enc = self.encode_incremental(
+            input_ids, start_pos, cache, image_mask=image_mask, engram_inputs=engram_inputs, images=images,
+            token_types=token_types,
+        )  # fmt: skip
+        self.run_layers(enc.streams, range(a.n_encoder_layers, a.n_layers), enc.ctx, cache.layers, enc.image_mask,
+                        enc.engram_inputs)  # fmt: skip
+        x_BSD, main_hidden = self.collapse(enc.streams)
+        logits = self.head(x_BSD.float())
+        return (logits, main_hidden) if return_main_hidden else logits
+
+    def encode_incremental(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int,
+        cache: ModelCache,
+        *,
+        image_mask: torch.Tensor | None = None,
+        engram_inputs: dict[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
+        token_types: torch.Tensor | None = None,
+    ) -> EncoderPass:
+        """The first half of `forward_incremental` (arguments as there): the encoder layers
+        0..n_encoder_layers-1 over the new tokens. The cache counts the tokens as consumed
+        (seq_len += S, encoder caches extended, encoder output remembered when encoder_out_len > 0);
+        the decoder layers' caches are untouched, for the caller to run (forward_incremental) or to
+        replay (CED prefill, model/ced.py)."""
+        a = self.args
         if start_pos != cache.seq_len:
             raise ValueError(f"start_pos {start_pos} != cache.seq_len {cache.seq_len}")
         if image_mask is None and token_types is not None:
@@ -432,11 +515,12 @@ class Transformer(nn.Module):
             B, start_pos, S, a.window_size, window_base, self.ratios, a.candidate_block_size, input_ids.device
         )
         ctx = self._context(layout, indexer_loss=False)
-        h_BSD = self._embed(input_ids, images, token_types, start_pos)
-        x_BSD, _, main_hidden = self._run_layers(input_ids, h_BSD, ctx, cache.layers, image_mask, engram_inputs)
+        streams = self.start_streams(self._embed(input_ids, images, token_types, start_pos))
+        self.run_layers(streams, range(a.n_encoder_layers), ctx, cache.layers, image_mask, engram_inputs)
+        if cache.encoder_out_len:
+            cache.remember_encoder_out(streams.h, streams.pre_mix)
         cache.seq_len += S
-        logits = self.head(x_BSD.float())
-        return (logits, main_hidden) if return_main_hidden else logits
+        return EncoderPass(streams, ctx, engram_inputs, image_mask)
 
     # ------------------------------------------------------------------ DSpark drafter
     def _drafter(self):

@@ -296,7 +296,10 @@ def test_triton_impl_trains_and_decodes_consistently_on_cuda():
     missing = [
         n
         for n, p in model.named_parameters()
-        if not n.endswith(INTENTIONALLY_FROZEN) and (p.grad is None or not p.grad.float().abs().sum() > 0)
+        # the DSpark drafter (mtp.*) learns only from dspark_loss on detached features (test_dspark.py)
+        if not n.endswith(INTENTIONALLY_FROZEN)
+        and not n.startswith("mtp.")
+        and (p.grad is None or not p.grad.float().abs().sum() > 0)
     ]
     assert not missing, missing
     with torch.no_grad():
