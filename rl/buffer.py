@@ -5,6 +5,7 @@ per update, N_started: rollouts ever started). `get_batch` hands out the oldest 
 in start order and waits (returns None) for older in-flight rollouts, so no trained token lags more
 than `max_policy_lag` versions (proof in `get_batch`); nothing is discarded for age.
 `state_dict` holds in-flight and buffered rollouts so a resume neither drops nor replays a sample.
+An item is one `Trajectory` or one `TrajectoryGroup` (the RL driver admits and trains whole GRPO groups).
 Not here: Ray queues, sampling, advantages.
 """
 
@@ -14,7 +15,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.payloads import Trajectory
+from rl.payloads import Trajectory, TrajectoryGroup
+
+Item = Trajectory | TrajectoryGroup
+
+
+def _item_to_json(item: Item) -> dict[str, Any]:
+    return {"group": item.to_json()} if isinstance(item, TrajectoryGroup) else item.to_json()
+
+
+def _item_from_json(d: dict[str, Any]) -> Item:
+    return TrajectoryGroup.from_json(d["group"]) if "group" in d else Trajectory.from_json(d)
 
 
 @dataclass
@@ -38,7 +49,7 @@ class TrajectoryBuffer:
         self.n_started = 0
         self.n_consumed = 0
         self.in_flight: dict[str, InFlight] = {}
-        self.ready: list[tuple[int, str, Trajectory]] = []  # (start_version, key, trajectory)
+        self.ready: list[tuple[int, str, Item]] = []  # (start_version, key, trajectory)
         self.lag_histogram: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ producer side
@@ -56,7 +67,7 @@ class TrajectoryBuffer:
         self.in_flight[key] = InFlight(v_current, dict(meta or {}))
         self.n_started += 1
 
-    def put(self, key: str, traj: Trajectory) -> None:
+    def put(self, key: str, traj: Item) -> None:
         """A finished rollout (also infra-failed ones: the advantage step excludes them)."""
         if key not in self.in_flight:
             raise KeyError(f"rollout {key!r} was never started (or was already put)")
@@ -66,10 +77,10 @@ class TrajectoryBuffer:
         self.ready.append((start, key, traj))
 
     # ------------------------------------------------------------------ consumer side
-    def get_batch(self, n: int, v_current: int) -> list[Trajectory] | None:
+    def get_batch(self, n: int, v_current: int) -> list[Item] | None:
         """n trajectories for the update that trains policy version v_current, or None (wait).
 
-        Batches are taken in order of start version (FIFO; equal versions interchangeable): the n
+        Batches are taken in order of start version, then key (equal versions are interchangeable): the n
         oldest ready rollouts, and only once no in-flight rollout started earlier than the newest of
         them. With admission control this bounds the lag: a batch item started at s < v_current − L
         would need v_current·B + 1 rollouts started at versions <= s, but the rule admits at most
@@ -77,7 +88,9 @@ class TrajectoryBuffer:
         """
         if len(self.ready) < n:
             return None
-        order = sorted(range(len(self.ready)), key=lambda i: (self.ready[i][0], i))
+        # equal start versions are interchangeable for the lag bound; ordering them by key makes the
+        # batch (and its packing, hence the loss to the last bit) independent of finishing order
+        order = sorted(range(len(self.ready)), key=lambda i: (self.ready[i][0], self.ready[i][1]))
         take = order[:n]
         newest = self.ready[take[-1]][0]
         if any(f.start_version < newest for f in self.in_flight.values()):
@@ -86,7 +99,7 @@ class TrajectoryBuffer:
         if max(lags) > self.max_policy_lag:  # only if the caller skipped versions or bypassed can_start
             raise RuntimeError(f"batch would lag {max(lags)} > max_policy_lag={self.max_policy_lag}")
         chosen = set(take)
-        batch = [self.ready[i][2] for i in sorted(chosen)]
+        batch = [self.ready[i][2] for i in take]
         self.ready = [r for i, r in enumerate(self.ready) if i not in chosen]
         self.n_consumed += n
         for t in batch:
@@ -107,7 +120,7 @@ class TrajectoryBuffer:
             "n_started": self.n_started,
             "n_consumed": self.n_consumed,
             "in_flight": {k: {"start_version": f.start_version, "meta": f.meta} for k, f in self.in_flight.items()},
-            "ready": [[v, k, t.to_json()] for v, k, t in self.ready],
+            "ready": [[v, k, _item_to_json(t)] for v, k, t in self.ready],
             "lag_histogram": {str(k): v for k, v in self.lag_histogram.items()},
         }
 
@@ -116,5 +129,5 @@ class TrajectoryBuffer:
         self.capacity = state["capacity"]
         self.n_started, self.n_consumed = state["n_started"], state["n_consumed"]
         self.in_flight = {k: InFlight(v["start_version"], dict(v["meta"])) for k, v in state["in_flight"].items()}
-        self.ready = [(v, k, Trajectory.from_json(t)) for v, k, t in state["ready"]]
+        self.ready = [(v, k, _item_from_json(t)) for v, k, t in state["ready"]]
         self.lag_histogram = Counter({int(k): v for k, v in state["lag_histogram"].items()})

@@ -110,6 +110,7 @@ class TrainerConfig:
     seed: int = 0
     zero_stage: int = 0
     checkpoint_every: int = 50
+    batch_size: int = 8  # trajectories per SFT / DSpark step (RL and OPD steps take rollout.groups_per_step groups)
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -117,12 +118,18 @@ class TrainerConfig:
     advantage_eps: float = 1e-6
     opd_chunk_size: int = 4096
     indexer_loss_weight: float = 1.0
+    dspark_weight: float = 1.0  # DSpark drafter alignment, added in every trainer (0 = drafter frozen)
+    simulate_replay: bool = False  # training forward with model/'s simulated decoder replay
+    teacher_ship: str = "hidden"  # OPD: the teacher returns "hidden" states + its head, or full "logits"
+    teacher_seed: int = 1  # OPD teacher weights when no teacher_checkpoint is given
+    teacher_checkpoint: str | None = None
     balance_alpha: float = 1e-4
     expert_bias_rate: float = 1e-3
 
     def __post_init__(self) -> None:
         _require(self.kind, TRAINER_KINDS, "trainer.kind")
         _require(self.advantage, ("grpo", "rloo"), "trainer.advantage")
+        _require(self.teacher_ship, ("hidden", "logits"), "trainer.teacher_ship")
         if self.global_batch_tokens % self.micro_batch_tokens:
             raise ValueError(
                 f"trainer.global_batch_tokens ({self.global_batch_tokens}) must be a multiple of "
@@ -141,10 +148,18 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     group_size: int = 8
+    groups_per_step: int = 2  # GRPO groups per learner update (admission control counts groups)
     max_policy_lag: int = 1
     max_turns: int = 4
+    env: str = "toy"  # "toy": in-process task family (CPU runs); "sandbox": Docker episodes on the fixture tasks
+    n_tasks: int = 8  # size of the toy task family
+    seed: int = 0
+    threads_per_worker: int = 1
+    prefill_mode: str = "full"  # the engine's prefill: "ced" (encoder/decoder, bounded replay) or "full"
 
     def __post_init__(self) -> None:
+        _require(self.env, ("toy", "sandbox"), "rollout.env")
+        _require(self.prefill_mode, ("ced", "full"), "rollout.prefill_mode")
         if self.max_policy_lag < 0:
             raise ValueError("rollout.max_policy_lag must be >= 0 (0 = synchronous)")
         if not 0.0 < self.top_p <= 1.0:
@@ -186,6 +201,17 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run_dir: str = "runs/default"
     dry_run: bool = False
+    entry: str = "train"  # "train": the trainer picked by trainer.kind; "demo": the embedded demo pipeline
+
+    def __post_init__(self) -> None:
+        _require(self.entry, ("train", "demo"), "entry")
+        # the learner reproduces the rollout's execution plan: decoder replay on both sides or neither
+        if self.trainer.simulate_replay != (self.rollout.prefill_mode == "ced"):
+            raise ValueError(
+                f"trainer.simulate_replay={self.trainer.simulate_replay} needs rollout.prefill_mode="
+                f"{'ced' if self.trainer.simulate_replay else 'full'} (got {self.rollout.prefill_mode!r}): the "
+                "training forward must simulate what the rollout engine computed"
+            )
 
 
 @dataclass(kw_only=True)

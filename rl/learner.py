@@ -3,10 +3,13 @@ optimiser update over any number of packed micro-batches, and atomic checkpoints
 
 Losses are token-sums over a GLOBAL denominator (valid tokens of all micro-batches on all ranks), so
 gradients are exact regardless of packing; DeepSpeed's data-parallel mean is undone by scaling with
-the world size. The engine drives one client optimizer, `rl.optim.FamilyOptimizer` (Muon / Sinkhorn
-/ AdamW by family): ZeRO stage 0 only for now, since ZeRO 1-3 flatten parameters and would hide the
-per-tensor families from it. Runs on CPU with gloo (tests) and on GPUs with NCCL.
-Not here: rollouts, Ray actors, weight sync, DSpark losses.
+the world size. The engine drives one client optimizer: `rl.optim.FamilyOptimizer` (Muon / Sinkhorn
+/ AdamW by family) at ZeRO stage 0, or DeepSpeed's MuonWithAuxAdam at ZeRO 1/2 (rl/optim.py says what
+that path lacks: Sinkhorn balancing, sparse Engram gradients). Runs on CPU with gloo (tests) and on GPUs with NCCL.
+The DSpark drafter term (`trainer.dspark_weight`) joins every kind's loss: drafts from DETACHED backbone
+features (Transformer.draft_teacher_forced) against the policy's own next-token distribution, so it
+trains `mtp.*` only; kind "dspark" freezes the backbone and trains the drafter alone.
+Not here: rollouts, Ray actors (rl/actors.py), weight sync.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.checkpoint import load_checkpoint, save_checkpoint
+from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_loss
 from model.moe import update_expert_bias
 from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
 from rl.losses import balance_terms, indexer_term, opd_reverse_kl, policy_loss, sft_loss, token_logprobs
-from rl.optim import build_optimizer
+from rl.optim import build_optimizer, build_zero_optimizer
 from rl.payloads import TrainBatch
 
 
@@ -92,7 +97,25 @@ def _opd(learner: Learner, out: TransformerOutput, batch: TrainBatch, denom: tor
     return loss, {"opd_kl_mean": float(D.detach().mean()) if D.numel() else 0.0}
 
 
-LOSS_KINDS: dict[str, LossFn] = {"sft": _sft, "rl": _rl, "opd": _opd}
+def _dspark_only(learner: Learner, out: TransformerOutput, batch: TrainBatch, denom: torch.Tensor, extra: Any):
+    return out.logits.new_zeros(()), {}
+
+
+LOSS_KINDS: dict[str, LossFn] = {"sft": _sft, "rl": _rl, "opd": _opd, "dspark": _dspark_only}
+
+
+def dspark_term(model: nn.Module, out: TransformerOutput, batch: TrainBatch) -> DSparkLoss | None:
+    """DSpark alignment on one micro-batch (DESIGN §3.1): row i of anchor s learns sg(p_policy) at s+i,
+    on rows whose target token s+1+i is a generated (loss-mask) token of the same document. None when
+    the model has no drafter. Gradients reach `mtp.*` only (the drafter reads detached features)."""
+    if getattr(model, "mtp", None) is None or out.main_hidden is None:
+        return None
+    k = model.mtp.block_size
+    draft = model.draft_teacher_forced(out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids)
+    target = align_to_drafts(out.logits.detach().float().softmax(-1), k)
+    in_doc = draft_target_ids(batch.input_ids, k, batch.doc_ids) >= 0
+    generated = align_to_drafts(F.pad(batch.loss_mask[:, 1:], (0, 1), value=False), k, False)
+    return dspark_loss(draft, target, mask=in_doc & generated & (batch.doc_ids >= 0)[..., None])
 
 
 class Learner:
@@ -102,17 +125,21 @@ class Learner:
     def __init__(self, model: nn.Module, cfg: TrainerConfig, ds_overrides: dict[str, Any] | None = None):
         import deepspeed
 
-        if cfg.zero_stage != 0:
-            # ZeRO flattens parameters, and the per-family optimiser (Muon per head, Sinkhorn rows,
-            # sparse Engram rows) needs them per tensor; sharded learners are issue 11's work
-            raise ValueError(
-                f"trainer.zero_stage={cfg.zero_stage} is not supported by the per-family optimiser yet: "
-                "run with trainer.zero_stage=0"
-            )
+        if cfg.zero_stage == 3:
+            # ZeRO-3 also partitions the parameters themselves: the model's forward (MoE gathers, Engram
+            # tables, DSpark reading backbone weights) would need DeepSpeed's gather hooks everywhere
+            raise ValueError("trainer.zero_stage=3 is not supported: use 0 (per-family optimiser) or 1/2")
         ensure_distributed()
         self.cfg = cfg
         self.model = model
-        self.optimizer = build_optimizer(model, cfg.optim)
+        if cfg.kind == "dspark":  # the drafter alone; the backbone is the frozen policy it follows
+            if getattr(model, "mtp", None) is None:
+                raise ValueError("trainer=dspark needs a model with a DSpark drafter (dspark_block_size > 0)")
+            for name, p in model.named_parameters():
+                p.requires_grad_(p.requires_grad and name.startswith("mtp."))
+        self.forward_fn = self._replay_forward() if cfg.simulate_replay else None
+        # ZeRO 1/2: DeepSpeed's MuonWithAuxAdam (rl/optim.py says what it lacks); stage 0: the families
+        self.optimizer = build_zero_optimizer(model, cfg.optim) if cfg.zero_stage else build_optimizer(model, cfg.optim)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -124,6 +151,26 @@ class Learner:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
         self.device = next(model.parameters()).device
         self.step = 0
+
+    @staticmethod
+    def _replay_forward() -> Callable:
+        """The training-side simulated decoder replay of model/ (DESIGN §3), when that module exists."""
+        try:
+            from model.replay import replay_forward  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise ValueError(
+                "trainer.simulate_replay=true needs model.replay.replay_forward (the training-side simulation "
+                "of the engine's decoder replay); run with trainer.simulate_replay=false until it exists"
+            ) from e
+        return replay_forward
+
+    def forward(self, batch: TrainBatch, compute_indexer_loss: bool | None = None) -> TransformerOutput:
+        """The training forward of one micro-batch: plain teacher-forced, or with simulated decoder
+        replay per generation turn (`trainer.simulate_replay`, turn starts from the batch)."""
+        if self.forward_fn is not None:
+            return self.forward_fn(self.engine, batch.input_ids, batch.doc_ids, batch.turn_starts,
+                                   loss_mask=batch.loss_mask, compute_indexer_loss=compute_indexer_loss)
+        return self.engine(batch.input_ids, batch.doc_ids, compute_indexer_loss=compute_indexer_loss)
 
     @property
     def world_size(self) -> int:
@@ -146,7 +193,7 @@ class Learner:
         """Token log-probs [B,S] under the current weights (π_prox for the decoupled PPO loss)."""
         self.engine.eval()
         b = batch.to(self.device)
-        out = self.engine(b.input_ids, b.doc_ids, compute_indexer_loss=False)
+        out = self.forward(b, compute_indexer_loss=False)
         self.engine.train()
         return token_logprobs(out.logits, b.input_ids).masked_fill(~b.loss_mask, 0.0)
 
@@ -156,9 +203,14 @@ class Learner:
         """One optimiser update over `batches` (this rank's micro-batches); `extras[i]` is micro-batch
         i's TeacherOutput for "opd". For "rl", fill `batch.old_logprobs` with `logprobs` first.
         Metrics are global (summed over ranks: token-weighted means, loss = the global loss)."""
+        batches = [batches] if isinstance(batches, TrainBatch) else list(batches)
+        if self.global_counts(batches)[1] == 0:  # no rank has anything trainable (e.g. zero-spread groups)
+            self.step += 1  # the version still advances, so admission control keeps its pace
+            return {"step": float(self.step), "skipped": 1.0, "n_tokens": 0.0}
         totals, counts = self.accumulate_grads(batches, loss_kind, extras)
         self.engine.step()
-        self._update_expert_biases(counts)
+        if loss_kind != "dspark":  # the frozen backbone's routing stays as the policy had it
+            self._update_expert_biases(counts)
         self.step += 1
         totals["step"] = float(self.step)
         return totals
@@ -175,22 +227,29 @@ class Learner:
         extras = extras or [None] * len(batches)
         denom, n_micro = self.global_counts(batches)
         self.engine.train()
-        totals: dict[str, float] = {"loss": 0.0, "indexer_loss": 0.0, "balance_loss": 0.0}
+        totals: dict[str, float] = {"loss": 0.0, "indexer_loss": 0.0, "balance_loss": 0.0, "dspark_loss": 0.0}
         counts: list[torch.Tensor] = []
         for i, (mb, extra) in enumerate(zip(batches, extras)):
             mb = mb.to(self.device)
             self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            out = self.engine(mb.input_ids, mb.doc_ids)
+            out = self.forward(mb)
             loss, metrics = fn(self, out, mb, denom, extra)
+            with torch.set_grad_enabled(self.cfg.dspark_weight > 0):  # weight 0: a frozen drafter, still measured
+                ds = dspark_term(self.model, out, mb)
+            drafter = loss.new_zeros(()) if ds is None or self.cfg.dspark_weight == 0 else (
+                ds.loss * self.cfg.dspark_weight / n_micro)
+            if ds is not None:
+                metrics = {**metrics, "dspark_acceptance": float(ds.acceptance)}
             idx = indexer_term(out.indexer_loss, self.cfg.indexer_loss_weight) / n_micro
             bal, layer_counts = balance_terms(out.router_stats, self.cfg.balance_alpha, mb.doc_ids >= 0)
             bal = bal / n_micro
             # DeepSpeed averages gradients over ranks; the losses are already global sums: undo the mean
-            self.engine.backward((loss + idx + bal) * self.world_size, scale_wrt_gas=False)
+            self.engine.backward((loss + idx + bal + drafter) * self.world_size, scale_wrt_gas=False)
             counts = layer_counts if not counts else [a + b for a, b in zip(counts, layer_counts)]
             totals["loss"] += float(loss.detach())
             totals["indexer_loss"] += float(idx.detach())
             totals["balance_loss"] += float(bal.detach())
+            totals["dspark_loss"] += float(drafter.detach())
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * mb.n_tokens / float(denom)
         keys = sorted(k for k in totals if k != "n_tokens")
@@ -211,19 +270,29 @@ class Learner:
             update_expert_bias(gate.bias, c, self.cfg.expert_bias_rate)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: str | os.PathLike) -> Path:
-        """root/step-XXXXXXXX/{model.safetensors, trainer_state.pt}, written to a temporary folder
-        and renamed into place (atomic), then root/latest is replaced atomically."""
+    def _optimizer(self):
+        """The optimizer whose state is the run's: ZeRO's partitioned wrapper, or the family facade."""
+        return self.engine.optimizer if self.cfg.zero_stage else self.optimizer
+
+    def save(self, root: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+        """root/step-XXXXXXXX/{model.safetensors, trainer_state.pt, <name>.json for each `extra` item (the
+        driver's buffer and prompt-stream state)}, written to a temporary folder and renamed into place
+        (atomic: all or nothing), then root/latest is replaced atomically."""
+        import json
+
         root = Path(root)
         final = root / f"step-{self.step:08d}"
         tmp = root / f".tmp-step-{self.step:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_checkpoint(self.model, tmp / "model.safetensors", args=getattr(self.model, "args", None))
-        state = {"optimizer": self.optimizer.state_dict(), "step": self.step, "rng": torch.get_rng_state()}
+        state = {"optimizer": self._optimizer().state_dict(), "step": self.step, "rng": torch.get_rng_state()}
         torch.save(state, tmp / "trainer_state.pt")
-        with open(tmp / "trainer_state.pt", "rb") as fh:
-            os.fsync(fh.fileno())
+        for name, payload in (extra or {}).items():
+            (tmp / f"{name}.json").write_text(json.dumps(payload))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = root / f".latest.tmp{os.getpid()}"
@@ -238,6 +307,9 @@ class Learner:
             path = path / (path / "latest").read_text().strip()
         load_checkpoint(self.model, path / "model.safetensors")
         state = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.cfg.zero_stage:  # ZeRO's optimizer takes one state per data-parallel rank of the saving run
+            self._optimizer().load_state_dict([state["optimizer"]], load_from_fp32_weights=True)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"].cpu())

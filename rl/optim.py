@@ -9,6 +9,13 @@ every trainable parameter to exactly one family, and one torch Optimizer facade 
 - "adamw": norms, biases, scalars, hc_* mixes, attn_sink, Engram gains (DeepSpeed's `adam_update`).
 
 One facade instead of three optimisers because a DeepSpeed engine drives a single client optimizer.
+
+Under ZeRO 1/2 (`build_zero_optimizer`) parameters live in flat partitions, so per-tensor families
+cannot run inside the optimizer: DeepSpeed's own `MuonWithAuxAdam` takes over, whose ZeRO path
+all-gathers each Muon matrix's gradient and orthogonalises it whole (per head where tagged), and AdamW
+updates the flat rest. What that path lacks: Sinkhorn balancing (row-wise, but rows are split across
+partitions: that family falls back to AdamW there) and sparse gradients (ZeRO copies dense gradients into
+flat buffers, so models with Engram tables are refused).
 Not here: the engine (rl/learner.py), learning-rate schedules.
 """
 
@@ -170,3 +177,33 @@ class FamilyOptimizer(torch.optim.Optimizer):
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> FamilyOptimizer:
     return FamilyOptimizer(build_param_groups(model), cfg, getattr(model, "args", None))
+
+
+def build_zero_optimizer(model: nn.Module, cfg: OptimConfig):
+    """DeepSpeed's MuonWithAuxAdam for ZeRO 1/2: the Muon family tagged `use_muon` (with `muon_num_heads`
+    per Q-style projection), Sinkhorn and AdamW families as one AdamW group. Raises for parameters
+    with sparse gradients (Engram tables), which ZeRO cannot partition."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    sparse = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"trainer.zero_stage >= 1 cannot shard sparse-gradient tables {sparse[:3]}... (Engram): ZeRO copies "
+            "dense gradients into flat partitions; run with trainer.zero_stage=0 or a config without Engram layers"
+        )
+    groups = build_param_groups(model)
+    args = getattr(model, "args", None)
+    for name, p in groups["muon"]:
+        p.use_muon, p.muon_num_heads = True, muon_heads(name, args) if args else None
+    rest = [p for _, p in groups["adamw"] + groups["sinkhorn"]]
+    for p in rest:
+        p.use_muon = False
+    for _, p in model.named_parameters():
+        if not hasattr(p, "use_muon"):  # frozen parameters: DeepSpeed checks every parameter for the tag
+            p.use_muon = False
+    return MuonWithAuxAdam([
+        dict(params=[p for _, p in groups["muon"]], use_muon=True, lr=cfg.muon_lr, momentum=cfg.momentum,
+             weight_decay=cfg.weight_decay, ns_method=cfg.ns_method),
+        dict(params=rest, use_muon=False, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+             weight_decay=cfg.weight_decay),
+    ])  # fmt: skip

@@ -28,6 +28,9 @@ class Trajectory:
     task_id, group_id               group_id identifies the GRPO group (same prompt, several samples)
     infra_failed    bool             sandbox crash / set-up timeout: excluded from group statistics
     seed, engine_version, drafter_version, timings   what is needed to replay the rollout offline
+    demo            bool             a demonstration (SFT data): loss-mask tokens need no log-prob/version
+    transcript      list[dict]       the conversation in chat-template form (assistant turns carry their
+                                     generated `token_ids`): rendering it gives token_ids back exactly
     """
 
     token_ids: list[int]
@@ -44,6 +47,8 @@ class Trajectory:
     engine_version: str = ""
     drafter_version: int = -1
     timings: dict[str, float] = field(default_factory=dict)
+    demo: bool = False
+    transcript: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,7 +63,7 @@ class Trajectory:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Trajectory.{name} has {len(getattr(self, name))} entries, token_ids {n}")
         for i, (m, lp, v) in enumerate(zip(self.loss_mask, self.logprobs, self.versions)):
-            if m and (math.isnan(lp) or v < 0):
+            if m and not self.demo and (math.isnan(lp) or v < 0):
                 raise ValueError(f"generated token {i} lacks a rollout log-prob or a policy version")
         if self.loss_mask and self.loss_mask[0]:
             raise ValueError("token 0 cannot be generated: it has no context")
@@ -90,6 +95,31 @@ class Trajectory:
 
 
 @dataclass(kw_only=True)
+class TrajectoryGroup:
+    """The samples of one prompt (a GRPO group), the unit of admission control and batching: group
+    statistics need every member, so a group is trained whole or not at all. Members that failed for
+    infrastructure reasons stay in the group (marked `infra_failed`) and are excluded from its statistics."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def oldest_version(self) -> int:
+        versions = [t.oldest_version for t in self.trajectories if t.oldest_version >= 0]
+        return min(versions) if versions else -1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "trajectories": [t.to_json() for t in self.trajectories]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrajectoryGroup:
+        return cls(group_id=d["group_id"], trajectories=[Trajectory.from_json(t) for t in d["trajectories"]])
+
+
+@dataclass(kw_only=True)
 class TrainBatch:
     """Packed rows for one learner micro-batch; B rows of S tokens, padding has doc_id -1.
 
@@ -103,6 +133,8 @@ class TrainBatch:
     versions       int64   [B,S]  policy version of token t; -1 where not generated
     traj_index     list[list[int]] which input trajectory each document of each row came from
     ref_logprobs   float32 [B,S] or None: reference-policy log-probs for the optional k3 KL term
+    turn_starts    per row, per document: its trajectory's turn_starts, relative to the document start
+                   (what the simulated decoder replay needs)
     """
 
     input_ids: torch.Tensor
@@ -114,6 +146,7 @@ class TrainBatch:
     versions: torch.Tensor
     traj_index: list[list[int]]
     ref_logprobs: torch.Tensor | None = None
+    turn_starts: list[list[list[int]]] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -180,7 +213,7 @@ def _build_batch(
             mask = torch.tensor(t.loss_mask, dtype=torch.bool)
             loss_mask[b, sl] = mask
             lp = torch.tensor(t.logprobs, dtype=torch.float32)
-            logprobs[b, sl] = torch.where(mask, lp, torch.zeros_like(lp))
+            logprobs[b, sl] = torch.where(mask & ~lp.isnan(), lp, torch.zeros_like(lp))
             versions[b, sl] = torch.tensor(t.versions, dtype=torch.long)
             adv[b, sl] = (0.0 if advantages is None else advantages[i]) * mask.float()
             pos += n
@@ -193,4 +226,5 @@ def _build_batch(
         advantages=adv,
         versions=versions,
         traj_index=rows,
+        turn_starts=[[list(trajs[i].turn_starts) for i in members] for members in rows],
     )

@@ -2,6 +2,8 @@
 
 Launch:
     flashpost-train experiment=demo                        # the embedded demo (what `make demo` runs)
+    flashpost-train trainer=rl rollout.max_policy_lag=1    # async RL on the toy family, local Ray, CPU
+    flashpost-train trainer=opd trainer.teacher_checkpoint=runs/x/checkpoints/step-00000400/model.safetensors
     flashpost-train model=small trainer=sft cluster=h200   # one H200
     flashpost-train model=small trainer=rl cluster=ray_cluster   # a Ray cluster (infra/ray/)
     flashpost-train ... dry_run=true                       # validate and print the resolved config
@@ -35,9 +37,18 @@ def main(cfg: DictConfig) -> None:
     apply_local_env()
     handle = start_or_join(job.cluster)
     try:
-        from rl.demo import run_demo
+        if job.entry == "demo":
+            from rl.demo import run_demo
 
-        run_demo(job, run_dir)
+            run_demo(job, run_dir)
+        elif job.trainer.kind in ("rl", "opd"):
+            from rl.rl_loop import run_async
+
+            run_async(job, run_dir)
+        else:
+            from rl.sft_loop import run_supervised
+
+            run_supervised(job, run_dir)
     finally:
         shutdown(handle)
 

@@ -1,0 +1,253 @@
+"""Ray actors of the RL system (the execution layer): the learner, rollout workers and the OPD teacher.
+
+- `LearnerActor` wraps `rl.learner.Learner` (model + per-family optimiser in a DeepSpeed engine): it
+  packs trajectories into micro-batches, recomputes π_prox, steps, checkpoints, and publishes its
+  weights as `(version, state_dict)`; returned from a Ray method that pair lands in the object store
+  once and every worker on the machine reads it from there (weight sync by version; across GPUs the
+  NCCL path of rl/weight_sync.py replaces it).
+- `RolloutWorker` (an async actor) holds an InferenceEngine and runs whole GRPO groups of episodes
+  concurrently (rl/rollout.py), batched through one engine.
+- `TeacherActor` returns, for the same packing as the learner's, full-vocabulary logits or hidden
+  states plus its head (the learner rebuilds the logits chunk by chunk).
+The trajectory buffer is owned by the driver (rl/rl_loop.py): one owner, no extra hop.
+Not here: admission control, the driver loop, losses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from rl.config import EnvConfig, ModelChoice, RolloutConfig, TrainerConfig
+from rl.payloads import TrainBatch, Trajectory, pack_trajectories
+from rl.rollout import RolloutRequest, SamplingParams, SessionBatcher, run_sandbox_episode, run_toy_episode
+
+
+def build_model(choice: ModelChoice, seed: int = 0):
+    """(Transformer with initialised weights, ChatTemplate) of a model choice, default tokenizer."""
+    from model.chat_template import ChatTemplate
+    from model.engram import EngramHasher
+    from model.tokenizer import Tokenizer
+    from model.transformer import Transformer
+
+    args = choice.build_args()
+    tokenizer = Tokenizer.default()
+    if args.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model vocab_size {args.vocab_size} < tokenizer's {tokenizer.vocab_size}: override "
+                         "model.overrides.vocab_size (and engram_compressed_vocab_size=2742 for the default one)")
+    model = Transformer(args, engram_hasher=EngramHasher(args, tokenizer) if args.engram_layer_ids else None)
+    model.init_weights(seed=seed)
+    return model, ChatTemplate(tokenizer)
+
+
+def pack_for_learner(trajs: list[Trajectory], cfg: TrainerConfig, advantages: list[float] | None = None,
+                     pad_id: int = 0) -> list[TrainBatch]:
+    """The one packing shared by the learner and the teacher (their micro-batches must line up)."""
+    return pack_trajectories(trajs, max_tokens=cfg.micro_batch_tokens, advantages=advantages, pad_id=pad_id)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _non_pad_tokens(batches: list[TrainBatch]) -> int:
+    return int(sum(int((b.doc_ids >= 0).sum()) for b in batches))
+
+
+class LearnerActor:
+    """Create with `ray.remote(LearnerActor).options(...).remote(model, trainer, threads)`."""
+
+    def __init__(self, model: ModelChoice, trainer: TrainerConfig, threads: int = 1, init_seed: int = 0):
+        from rl.learner import Learner
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(trainer.seed)
+        # a one-process learner: its own rendezvous, not one inherited from the driver's environment
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
+        policy, _ = build_model(model, seed=init_seed)
+        self.cfg = trainer
+        self.learner = Learner(policy, trainer)
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def version(self) -> int:
+        return self.learner.step
+
+    def get_version(self) -> int:
+        return self.version
+
+    def get_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(policy version, full state dict on CPU): the payload of a weight sync."""
+        return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.learner.model.state_dict().items()}
+
+    # ------------------------------------------------------------------ steps
+    def train_rl(self, trajs: list[Trajectory], advantages: list[float]) -> dict[str, float]:
+        """One decoupled-PPO update on kept trajectories and their advantages; π_prox recomputed first."""
+        t0 = time.perf_counter()
+        batches = pack_for_learner(trajs, self.cfg, advantages)
+        for b in batches:
+            b.old_logprobs = self.learner.logprobs(b)
+        return self._timed(self.learner.train_step(batches, "rl"), batches, t0)
+
+    def train_sft(self, trajs: list[Trajectory]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batches = pack_for_learner(trajs, self.cfg)
+        return self._timed(self.learner.train_step(batches, "sft"), batches, t0)
+
+    def train_opd(self, trajs: list[Trajectory], teacher_outputs: list) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batches = pack_for_learner(trajs, self.cfg)
+        if len(teacher_outputs) != len(batches):
+            raise ValueError(f"{len(teacher_outputs)} teacher outputs for {len(batches)} micro-batches")
+        return self._timed(self.learner.train_step(batches, "opd", extras=teacher_outputs), batches, t0)
+
+    def train_dspark(self, trajs: list[Trajectory]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batches = pack_for_learner(trajs, self.cfg)
+        return self._timed(self.learner.train_step(batches, "dspark"), batches, t0)
+
+    def _timed(self, metrics: dict[str, float], batches: list[TrainBatch], t0: float) -> dict[str, float]:
+        seconds = time.perf_counter() - t0
+        metrics["learner_s"] = seconds
+        metrics["learner_tokens_per_s"] = _non_pad_tokens(batches) / max(seconds, 1e-9)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, root: str, extra: dict[str, Any] | None = None) -> str:
+        return str(self.learner.save(root, extra))
+
+    def load(self, path: str) -> int:
+        self.learner.load(path)
+        return self.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RolloutWorker:
+    """An async actor: `rollout_group` calls run concurrently (create with max_concurrency > 1), all
+    their episodes share one batched engine. Weights arrive by version (`set_weights`)."""
+
+    def __init__(self, model: ModelChoice, rollout: RolloutConfig, env: EnvConfig | None = None, index: int = 0):
+        from model.engine import InferenceEngine
+
+        torch.set_num_threads(rollout.threads_per_worker)
+        policy, self.template = build_model(model, seed=0)  # placeholder values until the first set_weights
+        self.engine = InferenceEngine(policy, self.template, max_sessions=4096, prefill_mode=rollout.prefill_mode)
+        sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
+                                  max_new_tokens=rollout.max_new_tokens)
+        self._lock = None  # asyncio.Lock of the actor's event loop: engine access, weight loads
+        self._sampling = sampling
+        self.tokens_generated = 0
+        self.rollout_cfg, self.env_cfg, self.index = rollout, env or EnvConfig(), index
+        self.version = -1
+        self._sandboxes = self._graders = None
+        self.n_episodes = 0
+
+    def _engine_lock(self):
+        import asyncio
+
+        if self._lock is None:  # created inside the actor's event loop
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def set_weights(self, payload: tuple[int, dict[str, torch.Tensor]]) -> int:
+        version, weights = payload
+        await SessionBatcher(self.engine, self._sampling, lock=self._engine_lock()).load_weights(weights, version)
+        self.version = version
+        return version
+
+    async def rollout_group(self, requests: list[RolloutRequest]) -> list[Trajectory]:
+        """Run the episodes of one group concurrently; one Trajectory per request, in order."""
+        import asyncio
+
+        if self.version < 0:
+            raise RuntimeError("rollout worker has no policy weights yet: call set_weights first")
+        # one batcher per group: a group's engine batches do not depend on what else the worker runs
+        in_process = all(r.env == "toy" for r in requests)
+        batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
+        t0 = time.perf_counter()
+        trajs = await asyncio.gather(*(self._episode(r, batcher) for r in requests))
+        seconds = time.perf_counter() - t0
+        self.tokens_generated += batcher.tokens_generated
+        for t in trajs:
+            t.engine_version = f"worker{self.index}"
+            t.timings["group_s"] = seconds
+        self.n_episodes += len(trajs)
+        return list(trajs)
+
+    async def _episode(self, req: RolloutRequest, batcher: SessionBatcher) -> Trajectory:
+        if req.env == "toy":
+            return await run_toy_episode(req, batcher, self.template)
+        if req.env == "sandbox":
+            import functools
+
+            from envs.grading import grade_patch
+            from envs.pool import GraderPool, SandboxPool
+
+            if self._sandboxes is None:
+                self._sandboxes = SandboxPool(self.env_cfg.max_concurrent)
+                self._graders = GraderPool(max_graders=self.env_cfg.max_concurrent)
+            pool = self._sandboxes
+
+            def factory(task):
+                return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
+
+            grade = functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
+            return await run_sandbox_episode(req, batcher, self.template, factory, grade)
+        raise ValueError(f"unknown rollout env {req.env!r}")
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "tokens_generated": float(self.tokens_generated),
+            "episodes": float(self.n_episodes),
+            "sandboxes_live": float(self._sandboxes.live if self._sandboxes else 0),
+            "sandboxes_max": float(self.env_cfg.max_concurrent),
+            "version": float(self.version),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        if self._graders is not None:
+            self._graders.close()
+
+
+class TeacherActor:
+    """A fixed teacher for OPD: a checkpoint (or seeded init) of a model choice with the student's
+    vocabulary. `outputs` packs exactly as the learner does and returns one TeacherOutput per micro-batch."""
+
+    def __init__(self, model: ModelChoice, trainer: TrainerConfig, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.model, _ = build_model(model, seed=trainer.teacher_seed)
+        if trainer.teacher_checkpoint:
+            from model.checkpoint import load_checkpoint
+
+            load_checkpoint(self.model, trainer.teacher_checkpoint)
+        self.model.eval()
+        self.cfg = trainer
+
+    @torch.no_grad()
+    def outputs(self, trajs: list[Trajectory]) -> list:
+        from rl.learner import TeacherOutput
+
+        outs = []
+        for b in pack_for_learner(trajs, self.cfg):
+            o = self.model(b.input_ids, b.doc_ids, compute_indexer_loss=False)
+            if self.cfg.teacher_ship == "logits":
+                outs.append(TeacherOutput(logits=o.logits))
+            else:
+                outs.append(TeacherOutput(hidden=o.hidden, head=self.model.head.weight.detach().clone()))
+        return outs
+
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size

@@ -1,0 +1,122 @@
+"""The driver of trainer=sft (cross-entropy on demonstration trajectories) and trainer=dspark (the drafter
+alone against the frozen policy, on the same data), with resumable data-loader position.
+
+Demonstrations are rendered conversations (chat template, tools in the system turn for sandbox tasks):
+token ids and the assistant loss mask come from `ChatTemplate.render`, turn starts from its spans. The
+stream is an endless sequence of epochs, each a seeded permutation of the demonstrations; its
+position is checkpointed with the learner (one atomic folder), so a resume continues mid-epoch.
+Not here: the learner (rl/learner.py via rl/actors.py), rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from rl.config import JobConfig
+from rl.payloads import Trajectory
+
+
+def demo_messages(task: dict[str, Any], env: str) -> list[dict[str, Any]]:
+    """A solving conversation for one task: the toy family's reply with the target letter, or the
+    sandbox task's gold patch applied through the bash tool, then submit."""
+    if env == "toy":
+        target = task["target"]
+        msgs = [{"role": "user", "content": task["prompt"]}]
+        for turn in range(task["n_turns"]):
+            msgs.append({"role": "assistant", "content": f"Here: {target}{target} {target}."})
+            if turn + 1 < task["n_turns"]:
+                msgs.append({"role": "tool", "content": f"observation {turn}: keep going"})
+        return msgs
+    from envs.episode import EpisodeConfig, initial_messages
+    from envs.task import Task
+
+    t = Task(**task)
+    system, user = initial_messages(t, EpisodeConfig())
+    apply = f"cd /workspace && git apply <<'PATCH'\n{t.gold_patch}PATCH"
+    return [
+        {"role": "system", "content": system.content}, {"role": "user", "content": user.content},
+        {"role": "assistant", "content": "I will apply the fix.",
+         "tool_calls": [{"name": "bash", "arguments": {"command": apply}}]},
+        {"role": "tool", "content": "exit code 0"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]},
+    ]  # fmt: skip
+
+
+def demonstrations(tasks: list[dict[str, Any]], env: str, template) -> list[Trajectory]:
+    tools = None
+    if env == "sandbox":
+        from envs.tools import tool_schemas
+
+        tools = tool_schemas()
+    out = []
+    for task in tasks:
+        chat = template.render(demo_messages(task, env), tools=tools)
+        n = len(chat.token_ids)
+        starts = [s.body_start for s in chat.turn_spans if s.role == "assistant"]
+        out.append(Trajectory(token_ids=chat.token_ids, loss_mask=chat.loss_mask, logprobs=[float("nan")] * n,
+                              versions=[-1] * n, turn_starts=starts, reward=1.0, task_id=task["task_id"],
+                              group_id=task["task_id"], demo=True))  # fmt: skip
+    return out
+
+
+class DemoStream:
+    """Epochs of seeded permutations; `position` counts items handed out since the start."""
+
+    def __init__(self, items: list[Trajectory], seed: int, position: int = 0):
+        self.items, self.seed, self.position = items, seed, position
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.items)))
+        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Trajectory]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.items))
+            out.append(self.items[self._order(epoch)[i]])
+            self.position += 1
+        return out
+
+
+def run_supervised(job: JobConfig, run_dir: Path, *, progress: bool = True, ray_metrics: bool = True,
+                   demos: list[Trajectory] | None = None) -> list[dict[str, float]]:  # fmt: skip
+    """Train trainer=sft or trainer=dspark to max_steps on demonstrations, resuming from checkpoints."""
+    import ray
+
+    from rl.actors import LearnerActor, build_model
+    from rl.metrics import RunMetrics
+    from rl.rl_loop import load_tasks
+
+    kind = job.trainer.kind
+    if kind not in ("sft", "dspark"):
+        raise ValueError(f"run_supervised runs trainer=sft or trainer=dspark, not {kind!r}")
+    if demos is None:
+        _, template = build_model(job.model)
+        demos = demonstrations(load_tasks(job), job.rollout.env, template)
+    stream = DemoStream(demos, job.trainer.seed)
+    learner = ray.remote(LearnerActor).options(num_cpus=1).remote(job.model, job.trainer, init_seed=job.trainer.seed)
+    root = Path(run_dir) / "checkpoints"
+    version = 0
+    if (root / "latest").exists():
+        path = root / (root / "latest").read_text().strip()
+        version = ray.get(learner.load.remote(str(path)))
+        stream.position = json.loads((path / "data.json").read_text())["position"]
+    step_fn = learner.train_sft if kind == "sft" else learner.train_dspark
+    metrics = RunMetrics(Path(run_dir), job.trainer.max_steps, f"{kind} steps", ray_metrics, version, progress)
+    history = []
+    try:
+        while version < job.trainer.max_steps:
+            record = ray.get(step_fn.remote(stream.take(job.trainer.batch_size)))
+            version = int(record["step"])
+            metrics.log(version, record)
+            history.append(record)
+            if version % job.trainer.checkpoint_every == 0 or version == job.trainer.max_steps:
+                ray.get(learner.save.remote(str(root), {"data": {"position": stream.position}}))
+    finally:
+        metrics.close()
+        ray.kill(learner)
+    return history

@@ -1,0 +1,60 @@
+"""Weight sync across GPUs: the learner broadcasts its state dict to rollout workers over NCCL, by version.
+
+On one machine the Ray object store is enough (rl/actors.py: `LearnerActor.get_weights` publishes
+`(version, state_dict)` once, each worker reads it). Across GPUs and nodes a broadcast from the learner's
+GPU avoids the host round trip: learner (rank 0) and workers (ranks 1..N) join a standalone NCCL group
+(its own TCPStore rendezvous, NOT the learner's DeepSpeed default group, which the workers are not in),
+then every sync sends the version first and the tensors in the state dict's key order.
+Not here: deciding when to sync (the driver), loading into the engine (InferenceEngine.load_state_dict).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+
+
+class NcclWeightGroup:
+    """One member of the learner→workers broadcast group. Every member calls the constructor (rank 0
+    hosts the store on `host:port`), then each sync: rank 0 `send(version, weights)`, the others
+    `receive(template)` with a state dict of the same keys, shapes and dtypes (their own model's)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: int | str = 0,
+                 timeout_s: float = 300.0):  # fmt: skip
+        from torch.distributed import ProcessGroupNCCL, TCPStore
+
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+        self.pg = ProcessGroupNCCL(store, rank, world_size)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    @torch.no_grad()
+    def send(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        if self.rank != 0:
+            raise RuntimeError("only the learner (rank 0) sends weights")
+        self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
+        for tensor in weights.values():
+            self._broadcast(tensor.detach().to(self.device).contiguous())
+
+    @torch.no_grad()
+    def receive(self, template: Mapping[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        """-> (version, weights) with `template`'s keys, shapes, dtypes, on this member's device."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 is the learner: it sends")
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(version)
+        out = {}
+        for name, t in template.items():
+            buf = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            self._broadcast(buf)
+            out[name] = buf
+        return int(version.item()), out

@@ -1,0 +1,79 @@
+"""The DSpark term of the learner (debug model, CPU): it trains the drafter from detached backbone
+features, so backbone gradients are identical with and without it, and trainer=dspark moves `mtp.*`
+only; the drafter's acceptance is reported."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import models
+
+from model.config import get_flavor
+from model.engram import EngramHasher
+from model.transformer import Transformer
+from rl.config import OptimConfig, TrainerConfig
+from rl.learner import Learner, dspark_term
+from rl.payloads import Trajectory, pack_trajectories
+
+torch.set_num_threads(1)
+
+ARGS = get_flavor("debug")
+
+
+def _model(seed: int = 0) -> Transformer:
+    vocab = {f"<t{i}>": i for i in range(ARGS.vocab_size)}
+    m = Transformer(ARGS, engram_hasher=EngramHasher(ARGS, Backend(models.WordLevel(vocab, unk_token="<t0>"))))
+    m.init_weights(seed=seed)
+    return m
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    trajs = [Trajectory(token_ids=torch.randint(32, ARGS.vocab_size, (16,), generator=g).tolist(),
+                        loss_mask=[False] * 6 + [True] * 10, logprobs=[math.nan] * 6 + [-3.0] * 10,
+                        versions=[-1] * 6 + [0] * 10, turn_starts=[6]) for _ in range(2)]  # fmt: skip
+    return pack_trajectories(trajs, max_tokens=32)
+
+
+def _cfg(kind: str, dspark_weight: float) -> TrainerConfig:
+    return TrainerConfig(kind=kind, dspark_weight=dspark_weight, optim=OptimConfig(lr=1e-2, sinkhorn_lr=1e-2))
+
+
+def test_dspark_loss_reaches_only_the_drafter():
+    model = _model()
+    b = _batches()[0]
+    out = model(b.input_ids, b.doc_ids, compute_indexer_loss=False)
+    term = dspark_term(model, out, b)
+    assert term is not None and term.loss.requires_grad and 0 <= float(term.acceptance) <= 1
+    term.loss.backward()
+    reached = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert reached and all(n.startswith("mtp.") for n in reached), sorted(n for n in reached if "mtp" not in n)
+
+
+def test_backbone_gradients_do_not_depend_on_the_dspark_weight():
+    grads = []
+    for weight in (0.0, 5.0):
+        learner = Learner(_model(), _cfg("sft", weight))
+        metrics, _ = learner.accumulate_grads(_batches(), "sft")
+        assert (metrics["dspark_loss"] > 0) == (weight > 0)
+        grads.append({n: p.grad.to_dense().clone() for n, p in learner.model.named_parameters()
+                      if p.grad is not None and not n.startswith("mtp.")})  # fmt: skip
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
+def test_dspark_trainer_moves_the_drafter_only_and_its_loss_falls():
+    learner = Learner(_model(), _cfg("dspark", 1.0))
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    losses = [learner.train_step(_batches(), "dspark")["dspark_loss"] for _ in range(6)]
+    assert losses[-1] < losses[0], losses
+    for n, p in learner.model.named_parameters():
+        moved = not torch.equal(p.detach(), before[n])
+        if not n.startswith("mtp."):
+            assert not moved, f"backbone parameter {n} moved under trainer=dspark"
+    drafter = [n for n, _ in learner.model.named_parameters() if n.startswith("mtp.")]
+    params = dict(learner.model.named_parameters())
+    assert any(not torch.equal(params[n].detach(), before[n]) for n in drafter)

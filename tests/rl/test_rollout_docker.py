@@ -1,0 +1,67 @@
+"""Sandbox rollouts (envs/episode.py in real Docker containers) through the token-in/token-out policy:
+a group whose member's sandbox cannot start marks that member infra-failed, the others are graded,
+and the group's statistics exclude the crashed one. Tokens equal the template rendering with tools."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from rl.actors import build_model
+from rl.config import ModelChoice
+from rl.payloads import TrajectoryGroup
+from rl.rl_loop import score_groups
+from rl.rollout import RolloutRequest, SamplingParams, SessionBatcher, run_sandbox_episode
+
+pytestmark = pytest.mark.docker
+
+torch.set_num_threads(1)
+
+DEBUG = ModelChoice(flavor="debug", overrides={"vocab_size": 4096, "engram_compressed_vocab_size": 2742,
+                                               "max_seq_len": 2048})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fixture_task():
+    from envs import engine
+
+    if not engine.engine_available():
+        pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
+    from envs.fixtures.build import fixture_tasks
+
+    return fixture_tasks(build=True)[0]
+
+
+def test_crashed_sandbox_is_infra_failed_and_excluded_from_its_group(fixture_task):
+    from envs.episode import EpisodeConfig
+    from envs.tools import tool_schemas
+    from model.engine import InferenceEngine
+
+    model, template = build_model(DEBUG, seed=0)
+    engine = InferenceEngine(model, template)
+    broken = dataclasses.replace(fixture_task, image="flashpost/no-such-image:missing")
+    tasks = [fixture_task, fixture_task, broken]
+    reqs = [RolloutRequest(key=f"g/{i}", group_id="g", task_id=t.task_id, seed=i, env="sandbox", task=t.to_dict())
+            for i, t in enumerate(tasks)]  # fmt: skip
+
+    async def main():
+        batcher = SessionBatcher(engine, SamplingParams(temperature=1.0, max_new_tokens=8), max_wait_s=0.005)
+        return await asyncio.gather(*(
+            run_sandbox_episode(r, batcher, template, episode_config=EpisodeConfig(max_turns=2, wall_time_s=120))
+            for r in reqs
+        ))  # fmt: skip
+
+    trajs = asyncio.run(main())
+    assert [t.infra_failed for t in trajs] == [False, False, True], [t.verifier for t in trajs]
+    assert trajs[2].verifier["termination"] == "sandbox_error" and trajs[2].n_generated == 0
+    for t in trajs[:2]:  # graded episodes: their tokens are the rendering of the conversation with the tools
+        assert t.verifier["termination"] == "max_turns" and t.verifier["reason"] is not None
+        assert t.token_ids == template.render(t.transcript, tools=tool_schemas()).token_ids
+        assert len(t.turn_starts) == 2 and t.timings["setup_s"] > 0
+    trajs[0].reward = 1.0  # a pass and a fail among the graded members, so the group carries a signal
+    scored = score_groups([TrajectoryGroup(group_id="g", trajectories=trajs)], "grpo", 1e-6)
+    assert len(scored.trajs) == 2 and not any(t.infra_failed for t in scored.trajs)
+    assert scored.advantages == pytest.approx([1.0, -1.0], abs=1e-5)
