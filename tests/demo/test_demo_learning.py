@@ -1,0 +1,44 @@
+"""rl/demo_learning's pieces that need no container: packing keeps documents apart and the loss on
+the assistant turn only, actions become candidate files (or are refused), and one SFT step plus a
+GRPO log-prob pass run on the demo policy."""
+
+from __future__ import annotations
+
+import torch
+
+from rl.demo_learning import SFTConfig, build_policy, pack, reward_files, rl_logprobs, run_sft, sft_example
+from synth.families import demo_splits, module_path
+
+
+def test_pack_keeps_documents_and_masks():
+    examples = [([1, 2, 3], [False, True, True]), ([4, 5], [False, True]), ([6, 7, 8, 9], [False, False, True, True])]
+    ids, docs, mask = pack(examples, seq_len=6, pad_id=0)
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]
+    assert docs.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
+    assert mask.tolist() == [[False, True, True, False, True, False], [False, False, True, True, False, False]]
+
+
+def test_reward_files():
+    inst = demo_splits(0, 1, 0)["B_train"][0]
+    files, why = reward_files(inst, inst.action)
+    assert files is not None and set(files) == {module_path(inst)} and why == ""
+    assert reward_files(inst, "garbage")[0] is None
+    line = inst.action.split("|")[0].strip()
+    first_word = inst.buggy.splitlines()[int(line) - 1].split()[0]
+    files, why = reward_files(inst, f" {line}|{first_word}=>__import__('os');{first_word}")
+    assert files is None and "forbidden" in why
+
+
+def test_sft_step_and_rl_logprobs_run():
+    torch.manual_seed(0)
+    model, template, args = build_policy()
+    assert args.n_layers == 4 and args.hc_mult == 2 and args.qat and args.n_routed_experts == 8
+    insts = demo_splits(8, 0, 0)["A_train"]
+    ids, mask = sft_example(template, insts[0])
+    assert sum(mask) == len(template.tokenizer.encode(insts[0].action)) + 1  # the action and <|end|>
+    s = run_sft(model, template, lambda step: insts, SFTConfig(seconds=0.01, rows=2), log=lambda d: None)
+    assert s["steps"] >= 1 and s["tokens"] > 0
+    rows = [ids, ids[:-2]]
+    logp, ntok, _ = rl_logprobs(model, rows, [3, 2], temperature=0.7, pad=template.tokenizer.eos_id)
+    assert ntok.tolist() == [3, 2] and bool((logp < 0).all())
+    logp.sum().backward()  # differentiable, as the GRPO update needs
