@@ -16,7 +16,9 @@ CPU_BENCHES = [
     ["accounting.py", "flash"],
     ["model_step.py", "--flavor", "debug", "--flavor", "tiny"],
     ["decode.py", "--flavor", "debug", "--flavor", "tiny"],
+    ["prefill.py", "--flavor", "tiny", "--lengths", "256", "1024"],
     ["sandbox.py", "--quick"],
+    ["rl_throughput.py"],
 ]
 
 
