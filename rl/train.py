@@ -22,8 +22,12 @@ from rl.cluster import apply_local_env, shutdown, start_or_join
 from rl.config import to_job_config
 from rl.stages import record_run
 
+# An absolute path: Hydra resolves a relative one against the calling module ("rl.train" -> package
+# "conf"), which fails when the installed `flashpost-train` script runs outside the repository root.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     job = to_job_config(cfg)
     resolved = OmegaConf.to_yaml(cfg, resolve=True)

@@ -72,3 +72,19 @@ def test_model_flavors_build_args():
     job = to_job_config(_compose("train", ["model=debug", "+model.overrides.not_a_field=3"]))
     with pytest.raises(ValueError, match="not_a_field"):
         job.model.build_args()
+
+
+@pytest.mark.parametrize("trainer", ["sft", "rl", "opd", "dspark"])
+def test_installed_entry_point_runs_outside_the_repository(tmp_path, trainer):
+    # The console script imports rl.train as a module; its config path must not depend on the cwd.
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("flashpost-train", path=str(Path(sys.executable).parent))
+    assert exe, "flashpost-train is not installed next to this interpreter"
+    proc = subprocess.run([exe, f"trainer={trainer}", "dry_run=true"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "configuration is valid" in proc.stdout
+    assert f"kind: {trainer}" in proc.stdout
