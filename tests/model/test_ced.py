@@ -11,26 +11,12 @@ import torch
 from model.ced import ced_prefill, check_ced, decoder_work, full_prefill, replay_start
 from model.config import get_flavor
 from model.engine import InferenceEngine
-from model.engram import EngramHasher
-from model.tokenizer import Tokenizer
-from model.transformer import ModelCache, Transformer
+from model.transformer import ModelCache
 
 # Debug sizes on the default tokenizer, so that its Engram hasher applies (as in test_engine).
 ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742)
 W = ARGS.window_size
-# An init without FP8/FP4 rounding-boundary values for the exact tests (see test_transformer.QAT_EXACT_SEED).
-QAT_EXACT_SEED = 1
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[bool, Transformer]:
-    """The debug model with QAT on and off, hashing Engram n-grams with the default tokenizer."""
-    tok, out = Tokenizer.default(), {}
-    for qat in (True, False):
-        args = dataclasses.replace(ARGS, qat=qat)
-        out[qat] = Transformer(args, engram_hasher=EngramHasher(args, tok))
-        out[qat].init_weights(seed=QAT_EXACT_SEED, std=0.1)
-    return out
+# `models` (debug for the default tokenizer, QAT on/off): tests/model/conftest.py
 
 
 def _ids(b: int, n: int, seed: int) -> torch.Tensor:

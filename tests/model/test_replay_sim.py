@@ -3,31 +3,18 @@ multi-turn rollout from the CED engine are reproduced by `simulated_forward` (an
 full forward), a single short turn equals the plain forward, packed rows equal rows alone, gradients
 reach every backbone parameter, and decoder work is bounded per turn."""
 
-import dataclasses
 
 import pytest
 import torch
 
 from model.config import get_flavor
 from model.engine import InferenceEngine
-from model.engram import EngramHasher
 from model.replay import replay_forward, simulated_forward, turn_spans
-from model.tokenizer import Tokenizer
 from model.transformer import INTENTIONALLY_FROZEN, Transformer
 
 ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742)
 W = ARGS.window_size
-QAT_EXACT_SEED = 1  # see test_transformer.QAT_EXACT_SEED
-
-
-@pytest.fixture(scope="module")
-def models() -> dict[bool, Transformer]:
-    tok, out = Tokenizer.default(), {}
-    for qat in (True, False):
-        args = dataclasses.replace(ARGS, qat=qat)
-        out[qat] = Transformer(args, engram_hasher=EngramHasher(args, tok))
-        out[qat].init_weights(seed=QAT_EXACT_SEED, std=0.1)
-    return out
+# `models` (debug for the default tokenizer, QAT on/off): tests/model/conftest.py
 
 
 def _rand(n: int, g: torch.Generator) -> list[int]:

@@ -1,4 +1,4 @@
-"""Fixtures for the Docker-backed env tests: a live engine, the base image, and a leak check.
+"""Fixtures for every Docker-backed test (envs, demo, rl): a live engine, the base image, and a leak check.
 
 Tests that need the engine use `engine_ready`; it skips them (with the reason) only when no
 engine answers. At the end of the session it asserts that no container labelled with this
