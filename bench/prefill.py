@@ -4,7 +4,7 @@
     python -m bench.prefill --flavor small --device cuda               # 1K, 4K, 16K on one H200 (bf16)
     python -m bench.prefill --flavor tiny --lengths 256 1024 4096 --threads 2
 
-One JSON line per prompt length: {flavor, device, dtype, n, chunk, full_s, ced_s, time_ratio (ced / full),
+One JSON line per prompt length: {flavor, device, dtype, impl, n, chunk, full_s, ced_s, time_ratio (ced / full),
 work_ratio, decoder_tokens_ced, loadavg}. Both paths consume the same random prompt from an empty
 cache in chunks of --chunk through `encode_incremental` and compute the head at the last position
 only; `full_s` / `ced_s` are the best of --repeats runs after one warm-up. work_ratio is the layer-token
@@ -81,17 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per encoder call)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--impl", choices=("torch", "triton"), default=None, help="kernels (default: triton on cuda)")
     opts = p.parse_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     device = torch.device(opts.device)
     lengths = opts.lengths or DEFAULT_LENGTHS[opts.flavor]
-    args = get_flavor(opts.flavor)
-    if max(lengths) > args.max_seq_len:
-        args = get_flavor(opts.flavor, max_seq_len=max(lengths))
+    impl = opts.impl or ("triton" if device.type == "cuda" else "torch")
+    args = get_flavor(opts.flavor, impl=impl, max_seq_len=max(max(lengths), get_flavor(opts.flavor).max_seq_len))
     model = build_model(args, device).eval()
-    dtype = str(next(model.layers.parameters()).dtype).removeprefix("torch.")
-    head = {"flavor": opts.flavor, "device": str(device), "dtype": dtype, "threads": torch.get_num_threads()}
+    dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    head = {"flavor": opts.flavor, "device": str(device), "dtype": dtype, "impl": impl}
+    head["threads"] = torch.get_num_threads()
     for n in lengths:
         print(json.dumps({**head, **bench_length(model, n, opts.chunk, opts.repeats, device)}), flush=True)
 

@@ -37,7 +37,8 @@ __all__ = [
 
 # Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16):
 # decode (B·M = 64 query rows) runs the transposed kernel with 32 heads per program (128 programs on
-# 132 SMs; 49 us against 58 us for the best split-DV config of the row kernel); the training forward (many rows)
+# 132 SMs; 49 us against 58 us for the best split-DV config of the row kernel; a split-K variant with
+# 2-5 splits per row and a combine kernel measured 52-100 us, so it was not kept); the training forward (many rows)
 # keeps whole q rows resident and loads each gathered K = V row once (BDK "full", DV = Dh). A number
 # as BDK streams q and K in chunks of that width. `_pick_config` chooses by the number of rows; if a
 # config needs more shared memory than the device has, the launcher falls back along _FALLBACKS.
@@ -351,7 +352,10 @@ class _SparseAttn(torch.autograd.Function):
 def sparse_attn(
     q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Drop-in for `sparse_attn_ref` (same signature and contract), Triton forward and backward."""
-    return _SparseAttn.apply(
-        q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(), idxs.contiguous(), float(scale)
-    )
+    """Drop-in for `sparse_attn_ref` (same signature and contract), Triton forward and backward.
+    Without autograd (the inference engine) it calls the forward alone, which lets decode-sized
+    calls take the decode kernel (the autograd forward must also write the lse the backward reads)."""
+    args = (q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(), idxs.contiguous(), float(scale))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, attn_sink)):
+        return _SparseAttn.apply(*args)
+    return sparse_attn_fwd(*args)

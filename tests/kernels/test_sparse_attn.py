@@ -98,3 +98,12 @@ def test_decode_transposed_kernel_matches_reference(device, B, M, H, Dh, N, K, d
     o = ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg)
     _check(o, ks.sparse_attn_ref(q, kv, sink, idxs, scale))
     assert not o[-1, -1].any()  # the all-invalid row
+
+
+def test_no_grad_call_takes_the_forward_alone(device):
+    """Under no_grad `sparse_attn` (the model's entry) gives the same output as with autograd."""
+    q, kv, sink, idxs = _inputs(4, 1, 16, 128, 40, 96, torch.bfloat16, device, seed=5)
+    with torch.no_grad():
+        o = ks.sparse_attn(q, kv, sink, idxs, 0.1)
+    _check(o, ks.sparse_attn_ref(q, kv, sink, idxs, 0.1))
+    assert torch.equal(o, ks.sparse_attn_fwd(q, kv, sink, idxs, 0.1))
