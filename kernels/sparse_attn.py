@@ -37,8 +37,10 @@ __all__ = [
 
 # Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16):
 # decode (B·M = 64 query rows) runs the transposed kernel with 32 heads per program (128 programs on
-# 132 SMs; 49 us against 58 us for the best split-DV config of the row kernel; a split-K variant with
-# 2-5 splits per row and a combine kernel measured 52-100 us, so it was not kept); the training forward (many rows)
+# 132 SMs; 49 us against 58 us for the best split-DV config of the row kernel; tried and not kept: a
+# split-K variant with 2-5 splits per row and a combine kernel, tiles that compile without register
+# spills (ptxas reports 0.4-2.3 KB of spills per thread here), and loading each block twice: all 52-120
+# us on the same bench, so the limit is not spills or occupancy); the training forward (many rows)
 # keeps whole q rows resident and loads each gathered K = V row once (BDK "full", DV = Dh). A number
 # as BDK streams q and K in chunks of that width. `_pick_config` chooses by the number of rows; if a
 # config needs more shared memory than the device has, the launcher falls back along _FALLBACKS.
