@@ -39,8 +39,10 @@ __all__ = [
 # decode (B·M = 64 query rows) runs the transposed kernel with 32 heads per program (128 programs on
 # 132 SMs; 49 us against 58 us for the best split-DV config of the row kernel; tried and not kept: a
 # split-K variant with 2-5 splits per row and a combine kernel, tiles that compile without register
-# spills (ptxas reports 0.4-2.3 KB of spills per thread here), and loading each block twice: all 52-120
-# us on the same bench, so the limit is not spills or occupancy); the training forward (many rows)
+# spills (ptxas reports 0.4-2.3 KB of spills per thread here), loading each block twice, and a hand-
+# pipelined loop (next block's rows requested before this block's dots, indices two blocks ahead):
+# all 52-120 us on the same bench, so the limit is not spills, occupancy or exposed load latency);
+# the training forward (many rows)
 # keeps whole q rows resident and loads each gathered K = V row once (BDK "full", DV = Dh). A number
 # as BDK streams q and K in chunks of that width. `_pick_config` chooses by the number of rows; if a
 # config needs more shared memory than the device has, the launcher falls back along _FALLBACKS.
