@@ -6,6 +6,8 @@ gradients are exact regardless of packing; DeepSpeed's data-parallel mean is und
 the world size. The engine drives one client optimizer: `rl.optim.FamilyOptimizer` (Muon / Sinkhorn
 / AdamW by family) at ZeRO stage 0, or DeepSpeed's MuonWithAuxAdam at ZeRO 1/2 (rl/optim.py says what
 that path lacks: Sinkhorn balancing, sparse Engram gradients). Runs on CPU with gloo (tests) and on GPUs with NCCL.
+Data parallel: every rank calls train_step / save with its own micro-batches (any number, even none);
+2 ranks equal 1 process at ZeRO 0/1/2 (tests/rl/test_multiprocess.py). ZeRO-3 is refused.
 The DSpark drafter term (`trainer.dspark_weight`) joins every kind's loss: drafts from DETACHED backbone
 features (Transformer.draft_teacher_forced) against the policy's own next-token distribution, so it
 trains `mtp.*` only; kind "dspark" freezes the backbone and trains the drafter alone.
@@ -33,7 +35,10 @@ from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
 from rl.losses import balance_terms, indexer_term, opd_reverse_kl, policy_loss, sft_loss, token_logprobs
 from rl.optim import build_optimizer, build_zero_optimizer
-from rl.payloads import TrainBatch
+from rl.payloads import TrainBatch, Trajectory, pack_trajectories
+
+# length of the dummy micro-batch of a rank that has none while others train (see Learner._pad_ranks)
+FILLER_TOKENS = 16
 
 
 @dataclass
@@ -149,6 +154,7 @@ class Learner:
             **(ds_overrides or {}),
         }
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
         self.device = next(model.parameters()).device
         self.step = 0
 
@@ -168,8 +174,14 @@ class Learner:
         """The training forward of one micro-batch: plain teacher-forced, or with simulated decoder
         replay per generation turn (`trainer.simulate_replay`, turn starts from the batch)."""
         if self.forward_fn is not None:
-            return self.forward_fn(self.engine, batch.input_ids, batch.doc_ids, batch.turn_starts,
-                                   loss_mask=batch.loss_mask, compute_indexer_loss=compute_indexer_loss)
+            return self.forward_fn(
+                self.engine,
+                batch.input_ids,
+                batch.doc_ids,
+                batch.turn_starts,
+                loss_mask=batch.loss_mask,
+                compute_indexer_loss=compute_indexer_loss,
+            )
         return self.engine(batch.input_ids, batch.doc_ids, compute_indexer_loss=compute_indexer_loss)
 
     @property
@@ -178,15 +190,36 @@ class Learner:
 
         return dist.get_world_size() if dist.is_initialized() else 1
 
-    def global_counts(self, batches: list[TrainBatch]) -> tuple[torch.Tensor, int]:
-        """(Σ valid tokens, Σ micro-batches) over these micro-batches and all data-parallel ranks: the
-        token-mean denominator of the losses and the mean divisor of the per-micro-batch aux terms."""
+    def global_counts(self, batches: list[TrainBatch]) -> tuple[torch.Tensor, int, int]:
+        """(Σ valid tokens, Σ micro-batches, most micro-batches on one rank) over these micro-batches and
+        all data-parallel ranks: the token-mean denominator of the losses, the mean divisor of the
+        per-micro-batch aux terms, and how many backward passes every rank must make (`_pad_ranks`)."""
         import torch.distributed as dist
 
         n = torch.tensor([float(sum(b.n_tokens for b in batches)), float(len(batches))], device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(n)
-        return n[0].clamp_min(1.0), int(n[1])
+        if self.world_size == 1:
+            return n[0].clamp_min(1.0), int(n[1]), int(n[1])
+        per_rank = [torch.zeros_like(n) for _ in range(self.world_size)]
+        dist.all_gather(per_rank, n)  # one collective for both the sums and the max
+        stacked = torch.stack(per_rank)
+        total = stacked.sum(0)
+        return total[0].clamp_min(1.0), int(total[1]), int(stacked[:, 1].max())
+
+    def _pad_ranks(self, batches: list[TrainBatch], extras: list[Any], n_max: int) -> tuple[list, list]:
+        """Append zero-weight filler micro-batches up to `n_max`: every rank makes as many backward passes,
+        because ZeRO-2 reduces gradients in each one (a rank with fewer would leave the others waiting in a
+        collective). A filler is this rank's last micro-batch again, or a one-row dummy when the rank has
+        none; its gradients are exactly 0 (at stage 0 a dummy's Engram rows join the sparse gradient with
+        zero values, which the Sinkhorn family counts as touched rows)."""
+        n_fill = n_max - len(batches)
+        if batches:
+            fill = batches[-1:] * n_fill
+        else:
+            n = FILLER_TOKENS
+            dummy = Trajectory(token_ids=[0] * n, loss_mask=[False] + [True] * (n - 1), logprobs=[0.0] * n,
+                               versions=[0] * n, turn_starts=[1])  # fmt: skip
+            fill = pack_trajectories([dummy], max_tokens=n) * n_fill
+        return batches + fill, extras + [None] * n_fill  # fillers take the SFT loss: no teacher output needed
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -224,41 +257,66 @@ class Learner:
 
         batches = [batches] if isinstance(batches, TrainBatch) else list(batches)
         fn = LOSS_KINDS[loss_kind]
-        extras = extras or [None] * len(batches)
-        denom, n_micro = self.global_counts(batches)
+        extras = list(extras) if extras else [None] * len(batches)
+        denom, n_micro, n_max = self.global_counts(batches)
+        n_real = len(batches)
+        batches, extras = self._pad_ranks(batches, extras, n_max)
         self.engine.train()
         totals: dict[str, float] = {"loss": 0.0, "indexer_loss": 0.0, "balance_loss": 0.0, "dspark_loss": 0.0}
         counts: list[torch.Tensor] = []
         for i, (mb, extra) in enumerate(zip(batches, extras)):
-            mb = mb.to(self.device)
+            mb, real = mb.to(self.device), i < n_real
             self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
             out = self.forward(mb)
-            loss, metrics = fn(self, out, mb, denom, extra)
+            # a filler's loss kind needs no teacher output; its weight 0 still reaches every parameter
+            loss, metrics = (fn if real else _sft)(self, out, mb, denom, extra)
             with torch.set_grad_enabled(self.cfg.dspark_weight > 0):  # weight 0: a frozen drafter, still measured
                 ds = dspark_term(self.model, out, mb)
-            drafter = loss.new_zeros(()) if ds is None or self.cfg.dspark_weight == 0 else (
-                ds.loss * self.cfg.dspark_weight / n_micro)
+            drafter = (
+                loss.new_zeros(())
+                if ds is None or self.cfg.dspark_weight == 0
+                else (ds.loss * self.cfg.dspark_weight / n_micro)
+            )
             if ds is not None:
                 metrics = {**metrics, "dspark_acceptance": float(ds.acceptance)}
             idx = indexer_term(out.indexer_loss, self.cfg.indexer_loss_weight) / n_micro
             bal, layer_counts = balance_terms(out.router_stats, self.cfg.balance_alpha, mb.doc_ids >= 0)
             bal = bal / n_micro
             # DeepSpeed averages gradients over ranks; the losses are already global sums: undo the mean
-            self.engine.backward((loss + idx + bal + drafter) * self.world_size, scale_wrt_gas=False)
+            self._backward((loss + idx + bal + drafter) * (self.world_size if real else 0.0))
+            layer_counts = layer_counts if real else [torch.zeros_like(c) for c in layer_counts]
             counts = layer_counts if not counts else [a + b for a, b in zip(counts, layer_counts)]
+            if not real:
+                continue
             totals["loss"] += float(loss.detach())
             totals["indexer_loss"] += float(idx.detach())
             totals["balance_loss"] += float(bal.detach())
             totals["dspark_loss"] += float(drafter.detach())
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * mb.n_tokens / float(denom)
-        keys = sorted(k for k in totals if k != "n_tokens")
-        if self.world_size > 1:
-            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(summed)
-            totals = dict(zip(keys, summed.tolist()))
+        if self.world_size > 1:  # by key: a rank whose micro-batches were all fillers has fewer metrics
+            per_rank: list[dict[str, float]] = [{} for _ in range(self.world_size)]
+            dist.all_gather_object(per_rank, totals)
+            totals = {k: sum(r.get(k, 0.0) for r in per_rank) for k in sorted(set().union(*per_rank))}
         totals["n_tokens"] = float(denom)
         return totals, counts
+
+    def _backward(self, total: torch.Tensor) -> None:
+        """engine.backward, in an order every rank shares. ZeRO 1/2 reduce gradients through per-parameter
+        hooks into buckets sliced by position: all ranks must hand in the same parameters in the same order,
+        but autograd fires a hook when that parameter's gradient is complete, which depends on the data (an
+        expert no token chose has no gradient at all; one chosen late completes late). So under ZeRO the
+        gradients are taken first (`autograd.grad`, no hooks) and fed back through Σ⟨p, g⟩ over a fixed
+        parameter list: d/dp = g exactly, hooks fire in graph order. Costs one gradient copy per
+        micro-batch. Stage 0 needs none of it: DeepSpeed all-reduces at the boundary in parameter order."""
+        if not self.cfg.zero_stage:
+            self.engine.backward(total, scale_wrt_gas=False)
+            return
+        grads = torch.autograd.grad(total, self._trainable, allow_unused=True)
+        replay = torch.stack([
+            (p * (g if g is not None else torch.zeros_like(p))).sum() for p, g in zip(self._trainable, grads)
+        ]).sum()  # fmt: skip
+        self.engine.backward(replay, scale_wrt_gas=False)
 
     def _update_expert_biases(self, counts: list[torch.Tensor]) -> None:
         import torch.distributed as dist
@@ -274,41 +332,73 @@ class Learner:
         """The optimizer whose state is the run's: ZeRO's partitioned wrapper, or the family facade."""
         return self.engine.optimizer if self.cfg.zero_stage else self.optimizer
 
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.world_size > 1:
+            dist.barrier()
+
     def save(self, root: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
         """root/step-XXXXXXXX/{model.safetensors, trainer_state.pt, <name>.json for each `extra` item (the
         driver's buffer and prompt-stream state)}, written to a temporary folder and renamed into place
-        (atomic: all or nothing), then root/latest is replaced atomically."""
+        (atomic: all or nothing), then root/latest is replaced atomically. With several data-parallel ranks
+        every rank calls it: rank 0 writes all of that, each other rank its ZeRO optimizer partition
+        (optimizer-rank<r>.pt; stage 0 state is the same on every rank), and rank 0 renames once all have."""
         import json
 
+        import torch.distributed as dist
+
         root = Path(root)
+        rank = dist.get_rank() if self.world_size > 1 else 0
+        tag = [os.getpid()]  # rank 0's pid names the one temporary folder of all ranks
+        if self.world_size > 1:
+            dist.broadcast_object_list(tag, src=0)
         final = root / f"step-{self.step:08d}"
-        tmp = root / f".tmp-step-{self.step:08d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_checkpoint(self.model, tmp / "model.safetensors", args=getattr(self.model, "args", None))
-        state = {"optimizer": self._optimizer().state_dict(), "step": self.step, "rng": torch.get_rng_state()}
-        torch.save(state, tmp / "trainer_state.pt")
-        for name, payload in (extra or {}).items():
-            (tmp / f"{name}.json").write_text(json.dumps(payload))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = root / f".latest.tmp{os.getpid()}"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
+        tmp = root / f".tmp-step-{self.step:08d}-{tag[0]}"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        if rank == 0:
+            save_checkpoint(self.model, tmp / "model.safetensors", args=getattr(self.model, "args", None))
+            state = {"optimizer": self._optimizer().state_dict(), "step": self.step, "rng": torch.get_rng_state(),
+                     "world_size": self.world_size}  # fmt: skip
+            torch.save(state, tmp / "trainer_state.pt")
+            for name, payload in (extra or {}).items():
+                (tmp / f"{name}.json").write_text(json.dumps(payload))
+        elif self.cfg.zero_stage:
+            torch.save(self._optimizer().state_dict(), tmp / f"optimizer-rank{rank}.pt")
+        self._barrier()
+        if rank == 0:
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            latest_tmp = root / f".latest.tmp{os.getpid()}"
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, root / "latest")
+        self._barrier()
         return final
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore from a step folder, or from a root holding `latest`."""
+        """Restore from a step folder, or from a root holding `latest`. ZeRO partitions need the data-parallel
+        size they were saved with."""
         path = Path(path)
         if (path / "latest").exists():
             path = path / (path / "latest").read_text().strip()
         load_checkpoint(self.model, path / "model.safetensors")
         state = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=False)
         if self.cfg.zero_stage:  # ZeRO's optimizer takes one state per data-parallel rank of the saving run
-            self._optimizer().load_state_dict([state["optimizer"]], load_from_fp32_weights=True)
+            saved = state.get("world_size", 1)
+            if saved != self.world_size:
+                raise ValueError(f"{path} holds ZeRO optimizer partitions of {saved} ranks, this run has "
+                                 f"{self.world_size}: resume with as many learner ranks")  # fmt: skip
+            parts = [state["optimizer"]] + [
+                torch.load(path / f"optimizer-rank{r}.pt", map_location=self.device, weights_only=False)
+                for r in range(1, saved)
+            ]
+            self._optimizer().load_state_dict(parts, load_from_fp32_weights=True)
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]

@@ -5,6 +5,7 @@ On one machine the Ray object store is enough (rl/actors.py: `LearnerActor.get_w
 GPU avoids the host round trip: learner (rank 0) and workers (ranks 1..N) join a standalone NCCL group
 (its own TCPStore rendezvous, NOT the learner's DeepSpeed default group, which the workers are not in),
 then every sync sends the version first and the tensors in the state dict's key order.
+`backend="gloo"` runs the same protocol between CPU processes (tests, bench/multi_gpu.py --cpu-procs).
 Not here: deciding when to sync (the driver), loading into the engine (InferenceEngine.load_state_dict).
 """
 
@@ -15,20 +16,45 @@ from datetime import timedelta
 
 import torch
 
+WEIGHT_SYNC_BACKENDS = ("nccl", "gloo")
+
+
+def _gloo_group(store, rank: int, world_size: int, host: str, timeout: timedelta):
+    from torch.distributed import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    # gloo's default device binds the interface the hostname resolves to; a loopback group stays on loopback
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host) if loopback else
+                     ProcessGroupGloo.create_default_device()]  # fmt: skip
+    return ProcessGroupGloo(store, rank, world_size, opts)
+
 
 class NcclWeightGroup:
     """One member of the learner→workers broadcast group. Every member calls the constructor (rank 0
     hosts the store on `host:port`), then each sync: rank 0 `send(version, weights)`, the others
-    `receive(template)` with a state dict of the same keys, shapes and dtypes (their own model's)."""
+    `receive(template)` with a state dict of the same keys, shapes and dtypes (their own model's).
+    `device`: a CUDA index or device string (NCCL), "cpu" for gloo."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, device: int | str = 0,
-                 timeout_s: float = 300.0):  # fmt: skip
-        from torch.distributed import ProcessGroupNCCL, TCPStore
+                 timeout_s: float = 300.0, backend: str = "nccl"):  # fmt: skip
+        from torch.distributed import TCPStore
 
-        self.rank, self.world_size = rank, world_size
+        if backend not in WEIGHT_SYNC_BACKENDS:
+            raise ValueError(f"weight sync backend {backend!r} is not one of {WEIGHT_SYNC_BACKENDS}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-        self.pg = ProcessGroupNCCL(store, rank, world_size)
+        if (self.device.type == "cuda") != (backend == "nccl"):
+            raise ValueError(f"backend {backend!r} cannot carry {self.device} tensors: nccl is for cuda, gloo for cpu")
+        timeout = timedelta(seconds=timeout_s)
+        store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        if backend == "nccl":
+            from torch.distributed import ProcessGroupNCCL
+
+            self.pg = ProcessGroupNCCL(store, rank, world_size)
+        else:
+            self.pg = _gloo_group(store, rank, world_size, host, timeout)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         from torch.distributed import BroadcastOptions
