@@ -3,6 +3,7 @@ InferenceEngine rollout workers, the toy task family; CPU by default).
 
     python -m bench.rl_throughput                        # lags 0, 1, 2 on `debug` (vocab of the default tokenizer)
     python -m bench.rl_throughput --flavor tiny --steps 6 --lags 0 1 2 --workers 2
+    python -m bench.rl_throughput --flavor tiny --gpus 1      # one GPU shared: learner 1/2, workers the rest
 
 One JSON line per max_policy_lag: learner tokens/s (non-pad tokens per second of learner compute),
 rollout tokens/s (generated tokens per second of wall time), end-to-end samples/s (trained trajectories
@@ -30,9 +31,18 @@ from rl.rl_loop import run_async  # noqa: E402
 TOKENIZER_FIT = {"vocab_size": 4096, "engram_compressed_vocab_size": 2742}
 
 
+def cluster_for(args: argparse.Namespace) -> ClusterConfig:
+    """CPU actors, or with --gpus the learner on half a GPU and the rollout workers sharing the rest."""
+    if not args.gpus:
+        return ClusterConfig(num_cpus=8, include_dashboard=False)
+    return ClusterConfig(num_cpus=8, num_gpus=args.gpus, include_dashboard=False, learner_gpus=args.gpus / 2,
+                         rollout_gpus=args.gpus / 2 / args.workers)  # fmt: skip
+
+
 def job_for(args: argparse.Namespace, lag: int) -> JobConfig:
     overrides = {**(TOKENIZER_FIT if args.flavor == "debug" else {}), "max_seq_len": 512}
     return JobConfig(
+        cluster=cluster_for(args),
         model=ModelChoice(flavor=args.flavor, overrides=overrides),
         trainer=TrainerConfig(kind="rl", max_steps=args.steps, micro_batch_tokens=512, global_batch_tokens=512,
                               checkpoint_every=10**6, optim=OptimConfig(lr=1e-4, sinkhorn_lr=1e-4, muon_lr=1e-3)),
@@ -54,7 +64,7 @@ def measure(args: argparse.Namespace, lag: int) -> dict:
         "rollout_tokens_per_s": sum(r["rollout_tokens"] for r in rest) / wall,
         "samples_per_s": sum(r["trajectories"] for r in rest) / wall,
         "step_s": wall / len(rest), "learner_busy_frac": learner_s / wall,
-        "policy_lag_max": max(r["policy_lag_max"] for r in hist),
+        "policy_lag_max": max(r["policy_lag_max"] for r in hist), "gpus": args.gpus,
         "loadavg_1m": os.getloadavg()[0],
     }  # fmt: skip
 
@@ -68,8 +78,9 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--gpus", type=int, default=0, help="GPUs for the actors (0: all on cpu)")
     args = p.parse_args()
-    handle = start_or_join(ClusterConfig(num_cpus=8, include_dashboard=False), quiet=True)
+    handle = start_or_join(cluster_for(args), quiet=True)
     try:
         rows = []
         for lag in args.lags:

@@ -19,6 +19,8 @@ CPU_BENCHES = [
     ["prefill.py", "--flavor", "tiny", "--lengths", "256", "1024"],
     ["sandbox.py", "--quick"],
     ["rl_throughput.py"],
+    ["rl_learning.py"],
+    ["dspark_alignment.py"],
 ]
 
 

@@ -61,10 +61,33 @@ def _non_pad_tokens(batches: list[TrainBatch]) -> int:
     return int(sum(int((b.doc_ids >= 0).sum()) for b in batches))
 
 
-class LearnerActor:
-    """Create with `ray.remote(LearnerActor).options(...).remote(model, trainer, threads)`."""
+def actor_device() -> torch.device:
+    """cuda when Ray gave this actor a GPU (`num_gpus` > 0 in its options: Ray then sets its
+    CUDA_VISIBLE_DEVICES), else cpu; an actor built outside Ray (tests) stays on cpu."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    try:
+        import ray
 
-    def __init__(self, model: ModelChoice, trainer: TrainerConfig, threads: int = 1, init_seed: int = 0):
+        return torch.device("cuda") if ray.is_initialized() and ray.get_gpu_ids() else torch.device("cpu")
+    except RuntimeError:  # not inside a Ray worker
+        return torch.device("cpu")
+
+
+def _teacher_output_to(out, device: torch.device):
+    """The teacher's tensors on `device` (they travel through the object store on cpu)."""
+    from rl.learner import TeacherOutput
+
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return TeacherOutput(logits=move(out.logits), hidden=move(out.hidden), head=move(out.head))
+
+
+class LearnerActor:
+    """Create with `ray.remote(LearnerActor).options(...).remote(model, trainer, threads)`; `init_checkpoint`:
+    a model.safetensors whose weights replace the seeded initialisation (a resume overrides both)."""
+
+    def __init__(self, model: ModelChoice, trainer: TrainerConfig, threads: int = 1, init_seed: int = 0,
+                 init_checkpoint: str | None = None):  # fmt: skip
         from rl.learner import Learner
 
         torch.set_num_threads(threads)
@@ -73,8 +96,13 @@ class LearnerActor:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1")
         policy, _ = build_model(model, seed=init_seed)
+        if init_checkpoint:  # start from trained weights (e.g. an SFT or DSpark run); fresh optimiser state
+            from model.checkpoint import load_checkpoint
+
+            load_checkpoint(policy, init_checkpoint)
         self.cfg = trainer
-        self.learner = Learner(policy, trainer)
+        self.device = actor_device()
+        self.learner = Learner(policy.to(self.device), trainer)
 
     # ------------------------------------------------------------------ weights
     @property
@@ -107,6 +135,7 @@ class LearnerActor:
         batches = pack_for_learner(trajs, self.cfg)
         if len(teacher_outputs) != len(batches):
             raise ValueError(f"{len(teacher_outputs)} teacher outputs for {len(batches)} micro-batches")
+        teacher_outputs = [_teacher_output_to(o, self.device) for o in teacher_outputs]
         return self._timed(self.learner.train_step(batches, "opd", extras=teacher_outputs), batches, t0)
 
     def train_dspark(self, trajs: list[Trajectory]) -> dict[str, float]:
@@ -141,7 +170,9 @@ class RolloutWorker:
 
         torch.set_num_threads(rollout.threads_per_worker)
         policy, self.template = build_model(model, seed=0)  # placeholder values until the first set_weights
-        self.engine = InferenceEngine(policy, self.template, max_sessions=4096, prefill_mode=rollout.prefill_mode)
+        device = actor_device()
+        self.engine = InferenceEngine(policy.to(device), self.template, max_sessions=4096, device=device,
+                                      prefill_mode=rollout.prefill_mode)  # fmt: skip
         sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
                                   max_new_tokens=rollout.max_new_tokens)
         self._lock = None  # asyncio.Lock of the actor's event loop: engine access, weight loads
@@ -233,7 +264,8 @@ class TeacherActor:
             from model.checkpoint import load_checkpoint
 
             load_checkpoint(self.model, trainer.teacher_checkpoint)
-        self.model.eval()
+        self.device = actor_device()
+        self.model.to(self.device).eval()
         self.cfg = trainer
 
     @torch.no_grad()
@@ -242,11 +274,12 @@ class TeacherActor:
 
         outs = []
         for b in pack_for_learner(trajs, self.cfg):
+            b = b.to(self.device)
             o = self.model(b.input_ids, b.doc_ids, compute_indexer_loss=False)
             if self.cfg.teacher_ship == "logits":
-                outs.append(TeacherOutput(logits=o.logits))
+                outs.append(TeacherOutput(logits=o.logits.cpu()))
             else:
-                outs.append(TeacherOutput(hidden=o.hidden, head=self.model.head.weight.detach().clone()))
+                outs.append(TeacherOutput(hidden=o.hidden.cpu(), head=self.model.head.weight.detach().cpu()))
         return outs
 
     def vocab_size(self) -> int:

@@ -26,6 +26,8 @@ class ClusterConfig:
 
     address: "local" starts a private instance on this machine; "auto" joins the one started
     by `ray start` here; "ray://host:port" joins a remote cluster through Ray Client.
+    learner_gpus / rollout_gpus (per worker) / teacher_gpus: the GPU share each actor asks Ray
+    for; 0 keeps it on cpu, a fraction lets several actors share one GPU (conf/cluster/h200.yaml).
     """
 
     address: str = "local"
@@ -34,6 +36,14 @@ class ClusterConfig:
     include_dashboard: bool = True
     dashboard_port: int = 8265
     object_store_memory_mb: int | None = None
+    learner_gpus: float = 0.0
+    rollout_gpus: float = 0.0
+    teacher_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("learner_gpus", "rollout_gpus", "teacher_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster.{name}={getattr(self, name)} must be >= 0 (0 = run that actor on cpu)")
 
 
 @dataclass(frozen=True)

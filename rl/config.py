@@ -79,7 +79,9 @@ class PolicyLossConfig:
     """Decoupled PPO of rl/losses.py: w = sg(π_prox/μ) truncated at `is_cap` ("token_tis") or tokens
     masked when w is outside [is_band_low, is_band_high] ("mask"); trust region clip(π_θ/π_prox,
     1−eps_low, 1+eps_high); dual clip at `dual_clip`·|A| for A < 0 (None = off); k3 KL to a
-    reference policy weighted by `kl_coef` (0 = off)."""
+    reference policy weighted by `kl_coef` (0 = off). `temperature`: the learner's log-probs (π_θ, π_prox)
+    are taken at the temperature the rollout log-probs μ were sampled at, so the ratios compare one
+    distribution; None = rollout.temperature (JobConfig fills it; a different value is refused)."""
 
     is_mode: str = "token_tis"
     is_cap: float = 2.0
@@ -89,9 +91,12 @@ class PolicyLossConfig:
     eps_high: float = 0.28
     dual_clip: float | None = None
     kl_coef: float = 0.0
+    temperature: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.is_mode, IS_MODES, "trainer.policy_loss.is_mode")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError(f"trainer.policy_loss.temperature={self.temperature} must be > 0 (RL samples)")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"trainer.policy_loss.dual_clip={self.dual_clip} must be > 1")
         if not 0 < self.is_band_low <= 1.0 <= self.is_band_high:
@@ -103,7 +108,6 @@ class TrainerConfig:
     """What the learner optimises and for how long."""
 
     kind: str = "sft"
-    lr: float = 3e-4
     max_steps: int = 100
     micro_batch_tokens: int = 4096
     global_batch_tokens: int = 16384
@@ -123,6 +127,7 @@ class TrainerConfig:
     teacher_ship: str = "hidden"  # OPD: the teacher returns "hidden" states + its head, or full "logits"
     teacher_seed: int = 1  # OPD teacher weights when no teacher_checkpoint is given
     teacher_checkpoint: str | None = None
+    init_checkpoint: str | None = None  # rl/opd: start from these weights (a model.safetensors, e.g. of SFT)
     balance_alpha: float = 1e-4
     expert_bias_rate: float = 1e-3
 
@@ -205,6 +210,15 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _require(self.entry, ("train", "demo"), "entry")
+        pl = self.trainer.policy_loss
+        if pl.temperature is None:
+            pl.temperature = self.rollout.temperature
+        elif self.trainer.kind == "rl" and pl.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"trainer.policy_loss.temperature={pl.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: the importance ratios would compare different distributions; "
+                "leave trainer.policy_loss.temperature unset (it follows the rollout)"
+            )
         # the learner reproduces the rollout's execution plan: decoder replay on both sides or neither
         if self.trainer.simulate_replay != (self.rollout.prefill_mode == "ced"):
             raise ValueError(

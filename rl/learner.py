@@ -33,7 +33,7 @@ from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_l
 from model.moe import update_expert_bias
 from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
-from rl.losses import balance_terms, indexer_term, opd_reverse_kl, policy_loss, sft_loss, token_logprobs
+from rl.losses import at_temperature, balance_terms, indexer_term, opd_reverse_kl, policy_loss, sft_loss, token_logprobs
 from rl.optim import build_optimizer, build_zero_optimizer
 from rl.payloads import TrainBatch, Trajectory, pack_trajectories
 
@@ -80,7 +80,7 @@ def _sft(learner: Learner, out: TransformerOutput, batch: TrainBatch, denom: tor
 
 
 def _rl(learner: Learner, out: TransformerOutput, batch: TrainBatch, denom: torch.Tensor, extra: Any):
-    logp = token_logprobs(out.logits, batch.input_ids)
+    logp = token_logprobs(at_temperature(out.logits, learner.cfg.policy_loss.temperature), batch.input_ids)
     loss, metrics = policy_loss(
         logp, batch.old_logprobs, batch.logprobs, batch.advantages, batch.loss_mask, learner.cfg.policy_loss, denom,
         logp_ref=batch.ref_logprobs,
@@ -149,7 +149,9 @@ class Learner:
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": cfg.zero_stage},
-            "gradient_clipping": cfg.grad_clip,
+            # stage 0 clips per family in train_step (the drafter's gradients must not rescale the
+            # backbone's update); ZeRO's partitioned gradients keep DeepSpeed's one global-norm clip
+            "gradient_clipping": cfg.grad_clip if cfg.zero_stage else 0.0,
             "steps_per_print": 10**9,
             **(ds_overrides or {}),
         }
@@ -228,7 +230,8 @@ class Learner:
         b = batch.to(self.device)
         out = self.forward(b, compute_indexer_loss=False)
         self.engine.train()
-        return token_logprobs(out.logits, b.input_ids).masked_fill(~b.loss_mask, 0.0)
+        logits = at_temperature(out.logits, self.cfg.policy_loss.temperature)
+        return token_logprobs(logits, b.input_ids).masked_fill(~b.loss_mask, 0.0)
 
     def train_step(
         self, batches: TrainBatch | list[TrainBatch], loss_kind: str, extras: list[Any] | None = None
@@ -241,6 +244,8 @@ class Learner:
             self.step += 1  # the version still advances, so admission control keeps its pace
             return {"step": float(self.step), "skipped": 1.0, "n_tokens": 0.0}
         totals, counts = self.accumulate_grads(batches, loss_kind, extras)
+        if not self.cfg.zero_stage and self.cfg.grad_clip > 0:
+            self._clip_by_family()
         self.engine.step()
         if loss_kind != "dspark":  # the frozen backbone's routing stays as the policy had it
             self._update_expert_biases(counts)
@@ -317,6 +322,23 @@ class Learner:
             (p * (g if g is not None else torch.zeros_like(p))).sum() for p, g in zip(self._trainable, grads)
         ]).sum()  # fmt: skip
         self.engine.backward(replay, scale_wrt_gas=False)
+
+    def _clip_by_family(self) -> None:
+        """Global-norm clipping to grad_clip, separately for the backbone and the DSpark drafter (`mtp.*`):
+        one shared norm would let the drafter's gradient size scale the policy's update. Sparse (Engram)
+        gradients count their stored values."""
+        families: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                families[name.startswith("mtp.")].append(p.grad)
+        for grads in families.values():
+            if not grads:
+                continue
+            norms = [(g.coalesce().values() if g.is_sparse else g).float().norm() for g in grads]
+            coef = self.cfg.grad_clip / (torch.stack(norms).norm() + 1e-6)
+            if coef < 1:
+                for g in grads:
+                    g.mul_(coef)
 
     def _update_expert_biases(self, counts: list[torch.Tensor]) -> None:
         import torch.distributed as dist

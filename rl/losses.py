@@ -24,6 +24,12 @@ def _denominator(mask: torch.Tensor, denominator: float | torch.Tensor | None) -
     return denominator
 
 
+def at_temperature(logits: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    """Logits of the distribution the rollout sampled from (temperature T; None or 1: unchanged), so
+    the learner's log-probs and the rollout's log-probs μ describe the same distribution."""
+    return logits if temperature is None or temperature == 1.0 else logits / temperature
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(input_ids[t] | <t) [B,S] fp32 from logits [B,S,V] (logits at t-1 predict token t);
     position 0 has no prediction and gets 0. Rows are independent documents per doc_ids only if the

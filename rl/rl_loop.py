@@ -93,15 +93,19 @@ class Hooks:
 
 
 class AsyncDriver:
-    """Owns the buffer and the actors of one rl/opd job; `run()` trains up to trainer.max_steps."""
+    """Owns the buffer and the actors of one rl/opd job; `run()` trains up to trainer.max_steps, from
+    `init_checkpoint` (a model.safetensors, e.g. of an SFT run) or the seeded initialisation."""
 
     def __init__(self, job: JobConfig, run_dir: Path, *, hooks: Hooks | None = None, progress: bool = True,
-                 ray_metrics: bool = True, worker_options: dict[str, Any] | None = None):  # fmt: skip
+                 ray_metrics: bool = True, worker_options: dict[str, Any] | None = None,
+                 init_checkpoint: str | None = None):  # fmt: skip
         if job.trainer.kind not in ("rl", "opd"):
             raise ValueError(f"AsyncDriver runs trainer=rl or trainer=opd, not {job.trainer.kind!r}")
         self.job, self.kind, self.run_dir = job, job.trainer.kind, Path(run_dir)
         self.hooks, self.progress, self.ray_metrics = hooks or Hooks(), progress, ray_metrics
         self.worker_options = worker_options or {}
+        # starting weights (model.safetensors) when not resuming: the argument, else trainer.init_checkpoint
+        self.init_checkpoint = init_checkpoint or job.trainer.init_checkpoint
         r = job.rollout
         self.tasks = load_tasks(job)
         self.buffer = TrajectoryBuffer(batch_size=r.groups_per_step, max_policy_lag=r.max_policy_lag)
@@ -129,13 +133,18 @@ class AsyncDriver:
         from rl.actors import LearnerActor, RolloutWorker, TeacherActor
 
         job = self.job
-        self.learner = ray.remote(LearnerActor).options(num_cpus=1, max_concurrency=1).remote(
-            job.model, job.trainer, threads=1, init_seed=job.trainer.seed)
-        self._worker_cls = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64, **self.worker_options)
+        gpus = job.cluster  # GPU shares per actor (0 = cpu); fractions let actors share one GPU
+        learner_cls = ray.remote(LearnerActor).options(num_cpus=1, num_gpus=gpus.learner_gpus, max_concurrency=1)
+        self.learner = learner_cls.remote(
+            job.model, job.trainer, threads=1, init_seed=job.trainer.seed, init_checkpoint=self.init_checkpoint
+        )
+        self._worker_cls = ray.remote(RolloutWorker).options(
+            num_cpus=1, num_gpus=gpus.rollout_gpus, max_concurrency=64, **self.worker_options)
         self.workers = [self._new_worker(i) for i in range(job.rollout.n_workers)]
         self.teacher = None
         if self.kind == "opd":
-            self.teacher = ray.remote(TeacherActor).options(num_cpus=1).remote(job.model, job.trainer)
+            self.teacher = ray.remote(TeacherActor).options(num_cpus=1, num_gpus=gpus.teacher_gpus).remote(
+                job.model, job.trainer)
 
     def _new_worker(self, index: int):
         return self._worker_cls.remote(self.job.model, self.job.rollout, self.job.env, index)

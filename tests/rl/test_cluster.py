@@ -69,3 +69,26 @@ def test_every_ray_socket_is_loopback(ray_local):
         if conn.raddr:
             assert _is_loopback(conn.raddr.ip), f"pid {conn.pid} dialled {conn.raddr}"
     assert checked > 0, "no Ray sockets were found to check"
+
+
+def test_gpu_shares_are_validated_and_h200_layout_loads():
+    """A negative GPU share is refused with the field's name; conf/cluster/h200.yaml puts the learner,
+    the rollout workers and the teacher on shares of one GPU that add up to at most 1."""
+    from pathlib import Path
+
+    import yaml
+
+    with pytest.raises(ValueError, match="cluster.rollout_gpus"):
+        ClusterConfig(rollout_gpus=-0.5)
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/cluster/h200.yaml").read_text())
+    cfg = ClusterConfig(**raw)
+    assert 0 < cfg.learner_gpus and 0 < cfg.rollout_gpus and 0 < cfg.teacher_gpus
+    assert cfg.learner_gpus + cfg.rollout_gpus + cfg.teacher_gpus <= cfg.num_gpus
+
+
+def test_actors_without_a_gpu_share_stay_on_cpu():
+    import torch
+
+    from rl.actors import actor_device
+
+    assert actor_device() == torch.device("cpu")  # outside Ray, or a share of 0

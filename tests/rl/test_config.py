@@ -88,3 +88,32 @@ def test_installed_entry_point_runs_outside_the_repository(tmp_path, trainer):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "configuration is valid" in proc.stdout
     assert f"kind: {trainer}" in proc.stdout
+
+
+def test_policy_loss_temperature_follows_the_rollout():
+    """The learner's log-probs are taken at the temperature the rollout sampled at: unset, it is filled
+    from rollout.temperature; set to another value for trainer=rl, it is refused with both names."""
+    from rl.config import PolicyLossConfig, RolloutConfig, TrainerConfig
+
+    job = JobConfig(trainer=TrainerConfig(kind="rl"), rollout=RolloutConfig(temperature=0.7))
+    assert job.trainer.policy_loss.temperature == 0.7
+    with pytest.raises(ValueError, match="rollout.temperature"):
+        JobConfig(
+            trainer=TrainerConfig(kind="rl", policy_loss=PolicyLossConfig(temperature=1.0)),
+            rollout=RolloutConfig(temperature=0.7),
+        )
+
+
+def test_learner_logprob_temperature_matches_the_sampler():
+    """token_logprobs at the rollout temperature == log q of model/sampling at that temperature."""
+    import torch
+
+    from model.sampling import sampling_logprobs
+    from rl.losses import at_temperature, token_logprobs
+
+    logits = torch.randn(1, 6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(1))
+    got = token_logprobs(at_temperature(logits, 0.7), ids)[0, 1:]
+    want = sampling_logprobs(logits[0, :-1], 0.7).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, token_logprobs(logits, ids)[0, 1:])  # T = 1 would differ

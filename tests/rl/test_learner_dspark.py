@@ -65,6 +65,20 @@ def test_backbone_gradients_do_not_depend_on_the_dspark_weight():
         assert torch.equal(g, grads[1][name]), name
 
 
+def test_backbone_update_under_clipping_does_not_depend_on_the_dspark_weight():
+    """With clipping active, the drafter's gradient norm must not rescale the backbone's step: the
+    backbone after one update is the same with the DSpark term at weight 0 and at 5."""
+    after = []
+    for weight in (0.0, 5.0):
+        cfg = _cfg("sft", weight)
+        cfg.grad_clip = 1e-3  # far below the gradient norms here: every step is clipped
+        learner = Learner(_model(), cfg)
+        learner.train_step(_batches(), "sft")
+        after.append({n: p.detach().clone() for n, p in learner.model.named_parameters() if not n.startswith("mtp.")})
+    for name, p in after[0].items():
+        assert torch.equal(p, after[1][name]), name
+
+
 def test_dspark_trainer_moves_the_drafter_only_and_its_loss_falls():
     learner = Learner(_model(), _cfg("dspark", 1.0))
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
