@@ -5,7 +5,8 @@ exec per candidate, real warm grader containers), then base -> SFT (family A dem
 RL (GRPO on family B, real grading) greedy held-out pass@1 on families A and B, with times,
 samples/s and the load average (the machine may be shared: timings are then pessimistic).
 
-  python -m bench.demo_learning                       # full run (~15 min on a quiet 2-core box)
+  python -m bench.demo_learning                       # make demo's budgets and sizes, base -> SFT -> RL
+  python -m bench.demo_learning --seed 1 --skip-base --skip-grading  # another seed (the spread in README)
   python -m bench.demo_learning --only grading        # grading speed only
   python -m bench.demo_learning --sft-s 60 --rl-s 60  # shorter
 Not here: the stage wiring of `make demo` (rl/demo.py).
@@ -20,7 +21,8 @@ import random
 import sys
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see rl/demo.py: before torch is imported
+import torch  # noqa: E402
 
 
 class LocalHarness:
@@ -78,33 +80,58 @@ def grading_bench(tasks: dict, insts: list, pool, n: int) -> None:
         t0 = time.perf_counter()
         out = grade_batch(batch, pool=pool, **kw)
         dt = time.perf_counter() - t0
-        emit({"bench": "grading", "mode": "one_exec_per_batch", "candidates": label, "n": len(batch),
-              "gradings_s": round(len(batch) / dt, 1), "reward_mean": sum(g.reward for g in out) / len(out),
-              "load": round(os.getloadavg()[0], 2)})
+        emit(
+            {
+                "bench": "grading",
+                "mode": "one_exec_per_batch",
+                "candidates": label,
+                "n": len(batch),
+                "gradings_s": round(len(batch) / dt, 1),
+                "reward_mean": sum(g.reward for g in out) / len(out),
+                "load": round(os.getloadavg()[0], 2),
+            }
+        )
     k = min(16, n)
     t0 = time.perf_counter()
     out = [grade_one_per_exec(t, f, pool=pool, **kw) for t, f in items[:k]]
     dt = time.perf_counter() - t0
-    emit({"bench": "grading", "mode": "one_exec_per_candidate", "candidates": "gold", "n": k,
-          "gradings_s": round(k / dt, 2), "reward_mean": sum(g.reward for g in out) / k,
-          "load": round(os.getloadavg()[0], 2)})
+    emit(
+        {
+            "bench": "grading",
+            "mode": "one_exec_per_candidate",
+            "candidates": "gold",
+            "n": k,
+            "gradings_s": round(k / dt, 2),
+            "reward_mean": sum(g.reward for g in out) / k,
+            "load": round(os.getloadavg()[0], 2),
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rl.demo_stages import DemoConfig
+
+    demo = DemoConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--overrides", default=None, help="JSON overrides of get_flavor('tiny'); default DEMO_OVERRIDES")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-s", type=float, default=300.0)
-    p.add_argument("--rl-s", type=float, default=300.0)
-    p.add_argument("--sft-lr", type=float, default=2e-3)
-    p.add_argument("--n-heldout", type=int, default=120)
-    p.add_argument("--n-train-a", type=int, default=6000)
-    p.add_argument("--n-train-b", type=int, default=400)
+    p.add_argument("--sft-s", type=float, default=demo.sft.seconds)
+    p.add_argument("--rl-s", type=float, default=demo.rl.seconds)
+    p.add_argument("--sft-lr", type=float, default=demo.sft.lr)
+    p.add_argument("--rl", default=None, help="JSON overrides of rl.demo_learning.RLConfig")
+    p.add_argument("--n-heldout", type=int, default=demo.n_heldout)
+    p.add_argument("--n-train-a", type=int, default=demo.n_train_a)
+    p.add_argument("--n-train-b", type=int, default=demo.n_train_b)
     p.add_argument("--only", choices=["all", "grading", "throughput"], default="all")
     p.add_argument("--skip-base", action="store_true", help="skip the untrained policy's evaluation")
-    p.add_argument("--grader", choices=["docker", "local"], default="docker",
-                   help="local: LocalHarness (no Docker engine; no container isolation)")
+    p.add_argument("--skip-grading", action="store_true", help="skip the grading-speed measurement")
+    p.add_argument(
+        "--grader",
+        choices=["docker", "local"],
+        default="docker",
+        help="local: LocalHarness (no Docker engine; no container isolation)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -115,20 +142,39 @@ def main(argv: list[str] | None = None) -> None:
 
     overrides = json.loads(args.overrides) if args.overrides else None
     model, template, margs = build_policy(overrides, seed=args.seed)
-    emit({"bench": "policy", "overrides": overrides, "params": sum(p.numel() for p in model.parameters()),
-          "n_layers": margs.n_layers, "dim": margs.dim, "hc_mult": margs.hc_mult,
-          "experts": margs.n_routed_experts, "qat": margs.qat, "threads": args.threads})
+    emit(
+        {
+            "bench": "policy",
+            "overrides": overrides,
+            "params": sum(p.numel() for p in model.parameters()),
+            "n_layers": margs.n_layers,
+            "dim": margs.dim,
+            "hc_mult": margs.hc_mult,
+            "experts": margs.n_routed_experts,
+            "qat": margs.qat,
+            "threads": args.threads,
+        }
+    )
     t0 = time.perf_counter()
     sets = demo_splits(args.n_train_a, args.n_train_b, args.n_heldout, seed=args.seed)
     gradable = sets["B_train"] + sets["A_heldout"] + sets["B_heldout"]
     tasks = {i.iid: t for i, t in zip(gradable, family_tasks(gradable, build=args.grader == "docker"))}
-    emit({"bench": "families", **{k: len(v) for k, v in sets.items()}, "build_s": round(time.perf_counter() - t0, 1),
-          "grader": args.grader})
-    pool_cm = GraderPool(max_graders=2, graders_per_image=2) if args.grader == "docker" else \
-        LocalHarness(repo_files(gradable))
+    emit(
+        {
+            "bench": "families",
+            **{k: len(v) for k, v in sets.items()},
+            "build_s": round(time.perf_counter() - t0, 1),
+            "grader": args.grader,
+        }
+    )
+    pool_cm = (
+        GraderPool(max_graders=2, graders_per_image=2)
+        if args.grader == "docker"
+        else LocalHarness(repo_files(gradable))
+    )
     with pool_cm as pool:
         pool.warm(next(iter(tasks.values())).image, 2)
-        if args.only in ("all", "grading"):
+        if args.only == "grading" or (args.only == "all" and not args.skip_grading):
             grading_bench(tasks, sets["B_train"], pool, n=min(256, len(sets["B_train"])))
         if args.only == "grading":
             return
@@ -154,11 +200,17 @@ def main(argv: list[str] | None = None) -> None:
         s = run_sft(model, template, batch, SFTConfig(seconds=args.sft_s, lr=args.sft_lr), log=emit)
         emit({"bench": "sft", **s, "load": round(os.getloadavg()[0], 2)})
         ev("sft")
-        r = run_rl(model, template, sets["B_train"], tasks, pool, RLConfig(seconds=args.rl_s), seed=args.seed, log=emit)
+        rl_cfg = RLConfig(**{**json.loads(args.rl or "{}"), "seconds": args.rl_s})
+        r = run_rl(model, template, sets["B_train"], tasks, pool, rl_cfg, seed=args.seed, log=emit)
         emit({"bench": "rl", **{k: v for k, v in r.items() if k != "history"}, "load": round(os.getloadavg()[0], 2)})
         ev("rl")
-        emit({"bench": "summary", **{f"{st}_{fam}": v for (st, fam), v in results.items()},
-              "load": round(os.getloadavg()[0], 2)})
+        emit(
+            {
+                "bench": "summary",
+                **{f"{st}_{fam}": v for (st, fam), v in results.items()},
+                "load": round(os.getloadavg()[0], 2),
+            }
+        )
 
 
 if __name__ == "__main__":

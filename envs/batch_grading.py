@@ -37,8 +37,10 @@ from envs.task import Task
 MAX_JOB_BYTES = 96_000  # base64 job per exec argument (Linux MAX_ARG_STRLEN is 128 KiB)
 
 # Names a one-line repair of a pure function never needs; an edit bringing one in is not graded.
-FORBIDDEN = re.compile(r"__|\b(import|exec|eval|open|exit|quit|compile|globals|locals|vars|getattr|setattr|"
-                       r"delattr|breakpoint|input|os|sys|signal|subprocess|builtins)\b")
+FORBIDDEN = re.compile(
+    r"__|\b(import|exec|eval|open|exit|quit|compile|globals|locals|vars|getattr|setattr|"
+    r"delattr|breakpoint|input|os|sys|signal|subprocess|builtins)\b"
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ def screen_edit(old_source: str, new_source: str) -> str | None:
     return f"edit introduces forbidden names {extra}" if extra else None
 
 
-BATCH_RUNNER = r'''
-import base64, json, os, resource, select, signal, sys, time
+BATCH_RUNNER = r"""
+import base64, json, os, resource, select, shutil, signal, sys, time
 AGENT = 1000
 job = json.loads(base64.b64decode(sys.argv[1]))
 pristine = {}
@@ -163,8 +165,11 @@ for k, cand in enumerate(job["candidates"]):
         report = None
     results.append({"exit": None if code is None else os.waitstatus_to_exitcode(code),
                     "report": report, "nonce": nonce, "s": round(time.monotonic() - t0, 4)})
+# The scratch tree is root's: the pool's reset wipes /tmp as `agent` and could not remove it, so
+# the grader would fail its pristine check and be replaced by a fresh one (~1 s) after every batch.
+shutil.rmtree(root, ignore_errors=True)
 print(json.dumps(results))
-'''
+"""
 
 
 def _test_plan(task: Task) -> dict[str, list[str]]:
@@ -201,8 +206,15 @@ def _decide(task: Task, out: dict, dropped: list[str]) -> BatchGrade:
     return BatchGrade(1.0, tests, "all F2P pass and all P2P still pass", dropped)
 
 
-def grade_batch(items: list[tuple[Task, dict[str, str]]], *, pool: GraderPool, timeout_s: float = 2.0,
-                exec_timeout_s: float = 120.0, workspace: str = "/workspace", sweep: bool = True) -> list[BatchGrade]:
+def grade_batch(
+    items: list[tuple[Task, dict[str, str]]],
+    *,
+    pool: GraderPool,
+    timeout_s: float = 2.0,
+    exec_timeout_s: float = 120.0,
+    workspace: str = "/workspace",
+    sweep: bool = True,
+) -> list[BatchGrade]:
     """Grade (task, {path: new content}) candidates of one image; one exec per <= MAX_JOB_BYTES of job.
     `sweep`: after each candidate kill every process of the agent uid (right in a grader container,
     whose PID namespace is its own; off only for bench.demo_learning's container-less LocalHarness).
@@ -233,11 +245,25 @@ def grade_batch(items: list[tuple[Task, dict[str, str]]], *, pool: GraderPool, t
         for chunk in chunks:
             read = sorted({p for c in chunk for p in c["copy"] if p not in c["files"]})
             scratch = f"/tmp/.batch-{uuid.uuid4().hex[:12]}"
-            job = base64.b64encode(json.dumps({"read": read, "candidates": chunk, "timeout_s": timeout_s,
-                                               "workspace": workspace, "scratch": scratch,
-                                               "sweep": sweep}).encode())
-            r = g.exec(["python3", "-I", "-c", BATCH_RUNNER, job.decode()], timeout=exec_timeout_s, user="root",
-                       workdir="/tmp", max_output_bytes=8_000_000)
+            job = base64.b64encode(
+                json.dumps(
+                    {
+                        "read": read,
+                        "candidates": chunk,
+                        "timeout_s": timeout_s,
+                        "workspace": workspace,
+                        "scratch": scratch,
+                        "sweep": sweep,
+                    }
+                ).encode()
+            )
+            r = g.exec(
+                ["python3", "-I", "-c", BATCH_RUNNER, job.decode()],
+                timeout=exec_timeout_s,
+                user="root",
+                workdir="/tmp",
+                max_output_bytes=8_000_000,
+            )
             lines = r.output.strip().splitlines()
             if r.exit_code != 0 or not lines:
                 raise GraderLost(f"batch runner failed ({r.exit_code}): {r.output[-1500:]}")
@@ -248,8 +274,15 @@ def grade_batch(items: list[tuple[Task, dict[str, str]]], *, pool: GraderPool, t
     return [_decide(task, out, dropped) for (task, _), out, dropped in zip(items, outs, dropped_all)]
 
 
-def grade_one_per_exec(task: Task, files: dict[str, str], *, pool: GraderPool, timeout_s: float = 2.0,
-                       workspace: str = "/workspace", sweep: bool = True) -> BatchGrade:
+def grade_one_per_exec(
+    task: Task,
+    files: dict[str, str],
+    *,
+    pool: GraderPool,
+    timeout_s: float = 2.0,
+    workspace: str = "/workspace",
+    sweep: bool = True,
+) -> BatchGrade:
     """The baseline the batch path is measured against: the same runner, one exec per candidate."""
     return grade_batch([(task, files)], pool=pool, timeout_s=timeout_s, workspace=workspace, sweep=sweep)[0]
 

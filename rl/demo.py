@@ -7,28 +7,44 @@ Stages run in order and resume from their outputs (`rl/stages.py`):
                  with tests only, train and held-out instances, one image of real envs Tasks;
   eval_base, sft, eval_sft, rl, eval_rl
                  the demo policy (`tiny` with rl.demo_learning.DEMO_OVERRIDES; V4.1 mHC, MoE,
-                 compressor/indexer and QAT on) is SFT'd on family A, then GRPO'd on family B with
-                 rewards from warm grader containers; greedy held-out pass@1 on both families after
-                 each (rl/demo_stages.py);
+                 compressor/indexer, QAT and the DSpark drafter on) is SFT'd on family A, then GRPO'd
+                 on family B with rewards from warm grader containers; the drafter learns the policy
+                 in both; greedy held-out pass@1 on both families and DSpark acceptance in real
+                 speculative decoding after each (rl/demo_stages.py);
+  student_sft, opd, eval_opd, eval_student_sft
+                 a half-width student: SFT alone on family A for the whole student budget, and from
+                 its early snapshot OPD (reverse KL to the RL'd policy, rl/demo_opd.py);
   report         report.md + PNG plots in run_dir/report (rl/demo_report.py).
-OPD and DSpark are later stages; the demo prints that they are not built yet
-rather than pretending. Not here: the learning loops (rl/demo_learning.py).
+Not here: the learning loops (rl/demo_learning.py, rl/demo_opd.py).
 """
 
 from __future__ import annotations
+
+import os
+
+# libgomp's default busy-waiting barriers make 2 torch threads 10-50x slower when the 2 cores are
+# shared (grader containers, other jobs); passive waiting costs nothing on an idle machine. This must
+# be set before torch is first imported (rl/train.py imports this module before anything loads torch).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from functools import partial
 from pathlib import Path
 
 from rl.config import JobConfig
-from rl.demo_stages import DemoConfig, eval_stage, families_stage, rl_stage, sft_stage
-from rl.stages import run_stage
+from rl.demo_stages import (
+    DemoConfig,
+    eval_stage,
+    families_stage,
+    opd_stage,
+    rl_stage,
+    sft_stage,
+    student_sft_stage,
+)
+from rl.stages import StageFn, run_stage
 
 NOT_BUILT_YET = (
     ("factory", "tasks built by the factory stages (synth/) instead of synth/families.py's generator"),
-    ("dspark", "DSpark drafter trained alongside SFT, acceptance over training"),
     ("async", "asynchronous RL with rollouts in agent sandboxes (the demo's GRPO is synchronous)"),
-    ("opd", "on-policy distillation of a smaller student"),
 )
 
 
@@ -41,28 +57,46 @@ def sandbox_check(stage_dir: Path) -> dict:
         gold = grade_patch(task, task.gold_patch)
         empty = grade_patch(task, "")
         results[task.task_id] = {"gold": gold.reward, "empty": empty.reward, "grade_s": round(gold.duration_s, 2)}
-        print(f"  {task.task_id}: gold patch → {gold.reward:.0f}, empty patch → {empty.reward:.0f} "
-              f"({gold.duration_s:.1f} s per grading)")
+        print(
+            f"  {task.task_id}: gold patch → {gold.reward:.0f}, empty patch → {empty.reward:.0f} "
+            f"({gold.duration_s:.1f} s per grading)"
+        )
         if gold.reward != 1.0 or empty.reward != 0.0:
             raise RuntimeError(f"grading is broken on {task.task_id}: gold {gold.reason!r}, empty {empty.reason!r}")
     return results
 
 
-def run_demo(job: JobConfig, run_dir: Path, demo: DemoConfig | None = None) -> None:
+def demo_stages(demo: DemoConfig, run_dir: Path) -> list[tuple[str, StageFn]]:
+    """The demo's stages in order, each `fn(stage_dir) -> summary` for rl.stages.run_stage."""
+    student_eval = partial(eval_stage, student=True, acceptance=False)
+    return [
+        ("sandbox_check", sandbox_check),
+        ("families", partial(families_stage, demo)),
+        ("eval_base", partial(eval_stage, demo, run_dir, None)),
+        ("sft", partial(sft_stage, demo, run_dir)),
+        ("eval_sft", partial(eval_stage, demo, run_dir, "sft/policy.safetensors")),
+        ("rl", partial(rl_stage, demo, run_dir)),
+        ("eval_rl", partial(eval_stage, demo, run_dir, "rl/policy.safetensors")),
+        ("student_sft", partial(student_sft_stage, demo, run_dir)),
+        ("opd", partial(opd_stage, demo, run_dir)),
+        ("eval_opd", partial(student_eval, demo, run_dir, "opd/policy.safetensors")),
+        ("eval_student_sft", partial(student_eval, demo, run_dir, "student_sft/policy.safetensors")),
+    ]
+
+
+def run_demo(job: JobConfig, run_dir: Path, demo: DemoConfig | None = None, skip: tuple[str, ...] = ()) -> dict:
+    """Run (or resume) every stage not in `skip`, then write the report; returns make_report's dict."""
     from rl.demo_report import make_report
 
     demo = demo or DemoConfig()
     print(f"[demo] run folder: {run_dir.resolve()}")
-    run_stage(run_dir, "sandbox_check", sandbox_check)
-    run_stage(run_dir, "families", partial(families_stage, demo))
-    run_stage(run_dir, "eval_base", partial(eval_stage, demo, run_dir, None))
-    run_stage(run_dir, "sft", partial(sft_stage, demo, run_dir))
-    run_stage(run_dir, "eval_sft", partial(eval_stage, demo, run_dir, "sft/policy.safetensors"))
-    run_stage(run_dir, "rl", partial(rl_stage, demo, run_dir))
-    run_stage(run_dir, "eval_rl", partial(eval_stage, demo, run_dir, "rl/policy.safetensors"))
+    for name, fn in demo_stages(demo, run_dir):
+        if name not in skip:
+            run_stage(run_dir, name, fn)
     report = make_report(run_dir, run_dir / "report")
     print(f"[demo] held-out pass@1: {report['pass_at_1']}")
     print(f"[demo] report: {report['report']}")
     print("[demo] stages of the full pipeline not built yet:")
     for name, what in NOT_BUILT_YET:
         print(f"  - {name}: {what}")
+    return report

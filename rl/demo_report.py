@@ -1,8 +1,9 @@
 """The demo's report: report.md and PNG plots in the run folder, from the stages' done.json summaries.
 
-Plots: RL reward over steps (per step and a moving average), held-out pass@1 per stage and family,
-and wall time / throughput of each stage. Reads only what rl/stages.py recorded, so it can be
-re-made for any finished run. Not here: computing any figure (the stages did).
+Plots: held-out pass@1 per stage and family (base, SFT, RL, the OPD student, the SFT-only student),
+RL reward over steps, DSpark acceptance over SFT and RL training, train/rollout log-prob mismatch
+over RL steps, tokens/s per stage, and stage wall times. Reads only what rl/stages.py recorded, so it
+can be re-made for any finished run. Not here: computing any figure (the stages did).
 """
 
 from __future__ import annotations
@@ -11,6 +12,27 @@ import json
 import os
 from pathlib import Path
 
+STAGES = (
+    "sandbox_check",
+    "families",
+    "eval_base",
+    "sft",
+    "eval_sft",
+    "rl",
+    "eval_rl",
+    "student_sft",
+    "opd",
+    "eval_opd",
+    "eval_student_sft",
+)
+EVALS = (
+    ("base", "eval_base"),
+    ("SFT", "eval_sft"),
+    ("RL", "eval_rl"),
+    ("OPD student", "eval_opd"),
+    ("SFT-only student", "eval_student_sft"),
+)
+
 
 def _summary(run_dir: Path, name: str) -> dict | None:
     p = run_dir / name / "done.json"
@@ -18,7 +40,98 @@ def _summary(run_dir: Path, name: str) -> dict | None:
 
 
 def _moving(xs: list[float], k: int = 10) -> list[float]:
-    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
+    return [sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
+
+
+def _save(fig, out_dir: Path, name: str, files: list[str]) -> None:
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=100)
+    files.append(name)
+
+
+def _plot_pass(plt, evals: dict, out_dir: Path, files: list[str]) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    labels = list(evals)
+    for j, fam in enumerate(("A", "B")):
+        vals = [evals[lab][fam] for lab in labels]
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(labels))]
+        ax.bar(xs, vals, width=0.38, label=f"family {fam} ({'demonstrations' if fam == 'A' else 'tests only'})")
+        for x, v in zip(xs, vals):
+            ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set(ylabel="held-out pass@1 (greedy)", ylim=(0, 1), title="Held-out pass@1 per stage")
+    ax.legend(fontsize=8)
+    _save(fig, out_dir, "pass_at_1.png", files)
+    plt.close(fig)
+
+
+def _plot_rl(plt, rl: dict, out_dir: Path, files: list[str]) -> None:
+    hist = rl["history"]
+    steps, rewards = [h["step"] for h in hist], [h["reward"] for h in hist]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, ".", alpha=0.3, label="mean reward of the step's samples")
+    ax.plot(steps, _moving(rewards), "-", label="moving average (10 steps)")
+    ax.set(xlabel="RL step", ylabel="reward (pass rate of samples)", title="GRPO on family B (real grading)")
+    ax.legend(fontsize=8)
+    _save(fig, out_dir, "rl_reward.png", files)
+    plt.close(fig)
+    upd = [h for h in hist if h.get("mismatch_abs") is not None]
+    if upd:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot([h["step"] for h in upd], [h["mismatch_abs"] for h in upd], ".-", label="mean |Δ log p| per token")
+        ax.plot([h["step"] for h in upd], [h["mismatch_k3"] for h in upd], ".-", label="KL estimate (k3)")
+        ax.set(xlabel="RL step", ylabel="rollout vs train log-prob", title="Train/rollout mismatch (GRPO updates)")
+        ax.legend(fontsize=8)
+        _save(fig, out_dir, "mismatch.png", files)
+        plt.close(fig)
+
+
+def _plot_dspark(plt, stages: dict, evals: dict, out_dir: Path, files: list[str]) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    offset = 0
+    if stages["sft"]:
+        log = [d for d in stages["sft"]["summary"].get("log", []) if d.get("dspark_acceptance") is not None]
+        ax.plot([d["step"] for d in log], [d["dspark_acceptance"] for d in log], "-", label="SFT (teacher-forced)")
+        offset = stages["sft"]["summary"]["steps"]
+    if stages["rl"]:
+        hist = [h for h in stages["rl"]["summary"]["history"] if h.get("dspark_acceptance") is not None]
+        ax.plot(
+            [offset + h["step"] for h in hist],
+            _moving([h["dspark_acceptance"] for h in hist]),
+            "-",
+            label="RL (teacher-forced on samples, moving avg)",
+        )
+    for lab, e in evals.items():
+        acc = (e.get("speculative") or {}).get("acceptance")
+        if acc is not None:
+            x = {"base": 0, "SFT": offset}.get(lab, offset + (stages["rl"]["summary"]["steps"] if stages["rl"] else 0))
+            ax.plot([x], [acc], "o", label=f"speculative decoding after {lab}: {acc:.2f}")
+    ax.set(
+        xlabel="training step (SFT, then RL)",
+        ylabel="draft acceptance",
+        ylim=(0, 1),
+        title="DSpark acceptance over training",
+    )
+    ax.legend(fontsize=7)
+    _save(fig, out_dir, "dspark_acceptance.png", files)
+    plt.close(fig)
+
+
+def _throughput(stages: dict, evals: dict) -> list[tuple[str, float, str]]:
+    rows = []
+    if stages["sft"]:
+        rows.append(("SFT (teacher)", stages["sft"]["summary"]["tok_s"], "training tokens/s"))
+    if stages["rl"] and "gen_tok_s" in stages["rl"]["summary"]:
+        rows.append(("RL rollout", stages["rl"]["summary"]["gen_tok_s"], "sampled tokens/s while generating"))
+    if stages["student_sft"]:
+        rows.append(("SFT (student)", stages["student_sft"]["summary"]["tok_s"], "training tokens/s"))
+    if stages["opd"]:
+        rows.append(("OPD (student)", stages["opd"]["summary"]["sampled_tok_s"], "distilled sampled tokens/s"))
+    for lab, e in evals.items():
+        tok = [e[f"{f}_detail"].get("gen_tok_s") for f in ("A", "B")]
+        if all(t is not None for t in tok):
+            rows.append((f"eval {lab}", sum(tok) / 2, "greedy generated tokens/s"))
+    return rows
 
 
 def make_report(run_dir: Path, out_dir: Path) -> dict:
@@ -28,77 +141,137 @@ def make_report(run_dir: Path, out_dir: Path) -> dict:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    stages = {n: _summary(run_dir, n) for n in ("families", "eval_base", "sft", "eval_sft", "rl", "eval_rl")}
-    evals = {label: stages[n]["summary"] for label, n in (("base", "eval_base"), ("SFT", "eval_sft"),
-                                                          ("RL", "eval_rl")) if stages[n]}  # fmt: skip
-    files = []
-
-    if stages["rl"]:
-        hist = stages["rl"]["summary"]["history"]
-        steps, rewards = [h["step"] for h in hist], [h["reward"] for h in hist]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, rewards, ".", alpha=0.3, label="mean reward of the step's 32 samples")
-        ax.plot(steps, _moving(rewards), "-", label="moving average (10 steps)")
-        ax.set(xlabel="RL step", ylabel="reward (pass rate of samples)", title="GRPO on family B (real grading)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "rl_reward.png", dpi=100)
-        plt.close(fig)
-        files.append("rl_reward.png")
-
+    stages = {n: _summary(run_dir, n) for n in STAGES}
+    evals = {label: stages[n]["summary"] for label, n in EVALS if stages[n]}
+    files: list[str] = []
     if evals:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        labels = list(evals)
-        for j, fam in enumerate(("A", "B")):
-            vals = [evals[lab][fam] for lab in labels]
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(labels))]
-            ax.bar(xs, vals, width=0.38, label=f"family {fam} ({'demonstrations' if fam == 'A' else 'tests only'})")
-            for x, v in zip(xs, vals):
-                ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
-        ax.set_xticks(range(len(labels)), labels)
-        ax.set(ylabel="held-out pass@1 (greedy)", ylim=(0, 1), title="Held-out pass@1 per stage")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "pass_at_1.png", dpi=100)
+        _plot_pass(plt, evals, out_dir, files)
+    if stages["rl"]:
+        _plot_rl(plt, stages["rl"]["summary"], out_dir, files)
+    if stages["sft"] or stages["rl"]:
+        _plot_dspark(plt, stages, evals, out_dir, files)
+    tput = _throughput(stages, evals)
+    if tput:
+        fig, ax = plt.subplots(figsize=(6.5, 3.2))
+        ax.barh([t[0] for t in tput], [t[1] for t in tput])
+        ax.set(xlabel="tokens/s (2 CPU threads)", title="Throughput per stage")
+        _save(fig, out_dir, "tokens_per_s.png", files)
         plt.close(fig)
-        files.append("pass_at_1.png")
-
     timed = {n: s for n, s in stages.items() if s}
     if timed:
-        fig, ax = plt.subplots(figsize=(6, 3.2))
+        fig, ax = plt.subplots(figsize=(6, 3.6))
         ax.barh(list(timed), [s["seconds"] for s in timed.values()])
         ax.set(xlabel="wall seconds", title="Stage times")
-        fig.tight_layout()
-        fig.savefig(out_dir / "stage_times.png", dpi=100)
+        _save(fig, out_dir, "stage_times.png", files)
         plt.close(fig)
-        files.append("stage_times.png")
+    lines = _markdown(run_dir, stages, evals, tput, files)
+    (out_dir / "report.md").write_text("\n".join(lines))
+    return {
+        "report": str(out_dir / "report.md"),
+        "plots": files,
+        "pass_at_1": {lab: {"A": e["A"], "B": e["B"]} for lab, e in evals.items()},
+    }
 
+
+def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[str]) -> list[str]:
     lines = ["# flashpost demo report", "", f"Run folder: `{run_dir.resolve()}`", ""]
     if evals:
-        lines += ["## Held-out pass@1 (greedy, real grading)", "", "| stage | family A (demonstrations) | "
-                  "family B (tests only) |", "|---|---|---|"]
-        lines += [f"| {lab} | {e['A']:.3f} (n={e['A_detail']['n']}) | {e['B']:.3f} (n={e['B_detail']['n']}) |"
-                  for lab, e in evals.items()]
-        lines += ["", "![pass@1](pass_at_1.png)", ""]
+        lines += [
+            "## Held-out pass@1 (greedy, real grading)",
+            "",
+            "| stage | parameters (no drafter) | family A (demonstrations) | family B (tests only) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {lab} | {e.get('params', '')} | {e['A']:.3f} (n={e['A_detail']['n']}) | {e['B']:.3f} "
+            f"(n={e['B_detail']['n']}) |"
+            for lab, e in evals.items()
+        ]
+        lines += [
+            "",
+            "Seed-to-seed spread of these numbers: see README (bench/demo_learning.py over 3 seeds).",
+            "",
+            "![pass@1](pass_at_1.png)",
+            "",
+        ]
     if stages["sft"]:
         s = stages["sft"]["summary"]
-        lines += ["## SFT on family A", "", f"{s['steps']} steps, {s['tokens']} tokens in {s['seconds']:.0f} s: "
-                  f"**{s['tok_s']:.0f} training tokens/s**; loss {s['first_loss']:.2f} -> {s['last_loss']:.2f} "
-                  f"(load average {s['load']:.1f}).", ""]
+        lines += [
+            "## SFT on family A",
+            "",
+            f"{s['steps']} steps, {s['tokens']} tokens in {s['seconds']:.0f} s: "
+            f"**{s['tok_s']:.0f} training tokens/s**; loss {s['first_loss']:.2f} -> {s['last_loss']:.2f} "
+            f"(load average {s['load']:.1f}).",
+            "",
+        ]
     if stages["rl"]:
         r = stages["rl"]["summary"]
-        lines += ["## RL (GRPO) on family B", "",
-                  f"{r['steps']} steps ({r['updates']} updates, {r['skipped_groups']} zero-spread groups skipped), "
-                  f"{r['samples']} samples in {r['seconds']:.0f} s: **{r['samples_s']:.1f} samples/s**; "
-                  f"{r['graded']} real gradings at **{r['gradings_s_while_grading']:.0f} gradings/s** while "
-                  f"grading (generation {r['gen_s']:.0f} s, grading {r['grade_s']:.0f} s, training "
-                  f"{r['train_s']:.0f} s; load average {r['load']:.1f}).", "", "![reward](rl_reward.png)", ""]
+        lines += [
+            "## RL (GRPO) on family B",
+            "",
+            f"{r['steps']} steps ({r['updates']} updates, {r['skipped_groups']} zero-spread groups skipped), "
+            f"{r['samples']} samples in {r['seconds']:.0f} s: **{r['samples_s']:.1f} samples/s**; "
+            f"{r['graded']} real gradings at **{r['gradings_s_while_grading']:.0f} gradings/s** while "
+            f"grading (generation {r['gen_s']:.0f} s, grading {r['grade_s']:.0f} s, training "
+            f"{r['train_s']:.0f} s; load average {r['load']:.1f}).",
+            "",
+            "![reward](rl_reward.png)",
+            "",
+        ]
+        if "mismatch.png" in files:
+            lines += [
+                "Train/rollout mismatch: the engine's log-probs of the sampled tokens (KV-cached decode) "
+                "against the learner's teacher-forced forward of the same weights, before each update.",
+                "",
+                "![mismatch](mismatch.png)",
+                "",
+            ]
+    if stages["opd"] and "OPD student" in evals:
+        o, st = stages["opd"]["summary"], stages["student_sft"]["summary"]
+        e_o, e_s = evals["OPD student"], evals.get("SFT-only student")
+        lines += [
+            "## OPD: a half-width student distilled from the RL'd policy",
+            "",
+            f"Both students start with the same SFT on family A ({o.get('snapshot_step', '?')} steps). Then the "
+            f"OPD student spends {o['seconds']:.0f} s on on-policy reverse-KL distillation from the RL'd policy "
+            f"({o['steps']} steps, {o['sampled_tokens']} sampled tokens, reverse KL {o['first_kl']:.3f} -> "
+            f"{o['last_kl']:.3f}), while the SFT-only student continues SFT on the same demonstrations "
+            f"({st['steps']} SFT steps, {st['seconds']:.0f} s in all).",
+            "",
+        ]
+        if e_s:
+            lines += [
+                "| student | family A | family B |",
+                "|---|---|---|",
+                f"| OPD | {e_o['A']:.3f} | {e_o['B']:.3f} |",
+                f"| SFT only | {e_s['A']:.3f} | {e_s['B']:.3f} |",
+                "",
+            ]
+    if "dspark_acceptance.png" in files:
+        acc = {lab: (e.get("speculative") or {}).get("acceptance") for lab, e in evals.items()}
+        acc = ", ".join(f"{lab} {a:.2f}" for lab, a in acc.items() if a is not None)
+        lines += [
+            "## DSpark drafter",
+            "",
+            "Trained with the policy's SFT (its alignment term on assistant tokens) "
+            "and kept aligned during RL (the same term on sampled tokens). Acceptance of drafted tokens in "
+            f"greedy speculative decoding of held-out prompts: {acc}.",
+            "",
+            "![dspark](dspark_acceptance.png)",
+            "",
+        ]
+    if tput:
+        lines += ["## Throughput", "", "| stage | tokens/s | what |", "|---|---|---|"]
+        lines += [f"| {n} | {v:.0f} | {w} |" for n, v, w in tput]
+        lines += ["", "![tokens/s](tokens_per_s.png)", ""]
+    timed = {n: s for n, s in stages.items() if s}
     if timed:
         lines += ["## Stage times", "", "| stage | seconds |", "|---|---|"]
         lines += [f"| {n} | {s['seconds']:.1f} |" for n, s in timed.items()]
-        lines += ["", "![times](stage_times.png)", ""]
-    lines += [f"Load average when the report was written: {os.getloadavg()[0]:.1f} (2-core machine: timings "
-              "under load are pessimistic).", ""]
-    (out_dir / "report.md").write_text("\n".join(lines))
-    return {"report": str(out_dir / "report.md"), "plots": files,
-            "pass_at_1": {lab: {"A": e["A"], "B": e["B"]} for lab, e in evals.items()}}
+        lines += [f"| all | {sum(s['seconds'] for s in timed.values()):.1f} |", "", "![times](stage_times.png)", ""]
+    lines += [
+        f"Load average when the report was written: {os.getloadavg()[0]:.1f} (2-core machine: timings "
+        "under load are pessimistic).",
+        "",
+    ]
+    return lines

@@ -6,7 +6,10 @@
   sft        SFT on family-A demonstrations for a wall-clock budget -> sft/policy.safetensors;
   eval_sft   held-out pass@1 after SFT;
   rl         GRPO on family B with real grading (warm grader containers) -> rl/policy.safetensors;
-  eval_rl    held-out pass@1 after RL.
+  eval_rl    held-out pass@1 after RL (each eval of the policy also measures DSpark acceptance);
+  student_sft  a smaller student trained by SFT alone (with a snapshot part-way);
+  opd        the student's snapshot distilled from the RL'd policy -> opd/policy.safetensors;
+  eval_opd, eval_student_sft  held-out pass@1 of both students.
 A stage reads what earlier stages wrote in the run folder, so a killed demo resumes after the last
 finished stage. Not here: the loops themselves (rl/demo_learning.py), the report (rl/demo_report.py).
 """
@@ -15,24 +18,37 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.demo_learning import RLConfig, SFTConfig
+from rl.demo_opd import STUDENT_OVERRIDES, OPDConfig
 
 
 @dataclass(kw_only=True)
 class DemoConfig:
-    """Demo sizes and budgets (defaults: bench/demo_learning.py's measured recipe)."""
+    """Demo sizes and budgets. Each learning stage has a step budget sized for a quiet 2-core machine
+    and a wall-clock cap a little above it (`make demo` <= 20 minutes): on a quiet machine the steps
+    decide, so seeds compare; a loaded machine hits the caps (fewer steps; the summaries say so)."""
 
     seed: int = 0
     threads: int = 2
     overrides: dict | None = None  # get_flavor("tiny", **overrides); None = rl.demo_learning.DEMO_OVERRIDES
+    student_overrides: dict = field(default_factory=lambda: dict(STUDENT_OVERRIDES))
     n_train_a: int = 5000
     n_train_b: int = 300
-    n_heldout: int = 100
-    sft: SFTConfig = field(default_factory=lambda: SFTConfig(seconds=240.0))
-    rl: RLConfig = field(default_factory=lambda: RLConfig(seconds=240.0))
+    n_heldout: int = 200
+    n_acceptance: int = 24  # held-out prompts decoded speculatively to measure DSpark acceptance
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=200, seconds=220.0))
+    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=120, seconds=280.0))
+    # The student: SFT alone for student_sft.steps, with a snapshot at student_snapshot_step that OPD
+    # starts from (the OPD student's SFT part); OPD's budget ~ the SFT-only student's remaining time.
+    # The caps sum to 760 s; with the evaluations `make demo` measured 19 min 52 s before the student
+    # and OPD caps were cut by 20 s each for margin.
+    student_sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=330, seconds=160.0))
+    student_snapshot_step: int = 110
+    opd: OPDConfig = field(default_factory=lambda: OPDConfig(steps=70, seconds=100.0))
 
 
 def _instances(run_dir: Path) -> dict:
@@ -62,7 +78,18 @@ def families_stage(cfg: DemoConfig, stage_dir: Path) -> dict:
     return {**summary, "image": tasks[0].image}
 
 
-def _policy(cfg: DemoConfig, checkpoint: Path | None):
+
+def _progress(log: list[dict], every: int, line: Callable[[dict], str]) -> Callable[[dict], None]:
+    """A stage's progress callback: keeps every record in `log`, prints `line(record)` every `every` steps."""
+
+    def show(d: dict) -> None:
+        log.append(d)
+        if d["step"] % every == 0:
+            print(line(d), flush=True)
+
+    return show
+
+def _policy(cfg: DemoConfig, checkpoint: Path | None, student: bool = False):
     import torch
 
     from model.checkpoint import load_checkpoint
@@ -70,7 +97,7 @@ def _policy(cfg: DemoConfig, checkpoint: Path | None):
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    model, template, args = build_policy(cfg.overrides, seed=cfg.seed)
+    model, template, args = build_policy(cfg.student_overrides if student else cfg.overrides, seed=cfg.seed)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     return model, template
@@ -82,18 +109,35 @@ def _pool():
     return GraderPool(max_graders=2, graders_per_image=2)
 
 
-def eval_stage(cfg: DemoConfig, run_dir: Path, checkpoint: str | None, stage_dir: Path) -> dict:
+def eval_stage(
+    cfg: DemoConfig,
+    run_dir: Path,
+    checkpoint: str | None,
+    stage_dir: Path,
+    student: bool = False,
+    acceptance: bool = True,
+) -> dict:
+    """Greedy held-out pass@1 on families A and B; with `acceptance`, also the DSpark drafter's
+    acceptance in real speculative decoding of cfg.n_acceptance held-out prompts."""
+    from rl.demo_dspark import speculative_acceptance
     from rl.demo_learning import evaluate
 
     sets, tasks = _instances(run_dir), _tasks(run_dir)
-    model, template = _policy(cfg, run_dir / checkpoint if checkpoint else None)
-    out = {}
+    model, template = _policy(cfg, run_dir / checkpoint if checkpoint else None, student=student)
+    out = {"params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))}
     with _pool() as pool:
         for fam in ("A", "B"):
             r = evaluate(model, template, sets[f"{fam}_heldout"], tasks, pool)
             out[fam] = r["pass@1"]
             out[f"{fam}_detail"] = r
-            print(f"  family {fam}: held-out pass@1 {r['pass@1']:.3f} (n={r['n']}, generation {r['gen_s']} s)")
+            print(
+                f"  family {fam}: held-out pass@1 {r['pass@1']:.3f} (n={r['n']}, generation {r['gen_s']} s, "
+                f"{r['gen_tok_s']} tokens/s)"
+            )
+    if acceptance:
+        held = sets["A_heldout"][: cfg.n_acceptance // 2] + sets["B_heldout"][: cfg.n_acceptance // 2]
+        out["speculative"] = speculative_acceptance(model, template, held)
+        print(f"  DSpark: acceptance {out['speculative']['acceptance']} of drafted tokens in speculative decoding")
     out["load"] = os.getloadavg()[0]
     return out
 
@@ -109,15 +153,67 @@ def sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
     rng = random.Random(cfg.seed)
     log = []
 
-    def show(d: dict) -> None:
-        log.append(d)
-        if d["step"] % 50 == 0:
-            print(f"  sft step {d['step']}: loss {d['loss']:.3f}, {d['tok_s']} tokens/s, {d['s']:.0f}/"
-                  f"{cfg.sft.seconds:.0f} s", flush=True)
+    show = _progress(log, 50, lambda d: f"  sft step {d['step']}: loss {d['loss']:.3f}, {d['tok_s']} tokens/s, "
+                     f"{d['s']:.0f} s ({cfg.sft.steps} steps, {cfg.sft.seconds:.0f} s cap)")  # fmt: skip
 
     s = run_sft(model, template, lambda step: rng.sample(a_train, 24), cfg.sft, log=show)
     save_checkpoint(model, str(stage_dir / "policy.safetensors"))
     return {**s, "log": log, "load": os.getloadavg()[0]}
+
+
+def student_sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
+    """The student trained by SFT alone on family-A demonstrations (student_sft), with a snapshot at
+    student_snapshot_step, or the same share of the time cap (OPD's starting point: the OPD student's
+    SFT part) -> snapshot.safetensors and policy.safetensors."""
+    import random
+
+    from model.checkpoint import save_checkpoint
+    from rl.demo_learning import run_sft
+
+    a_train = _instances(run_dir)["A_train"]
+    model, template = _policy(cfg, None, student=True)
+    rng = random.Random(cfg.seed + 1)
+    log: list[dict] = []
+
+    show = _progress(log, 50, lambda d: f"  student sft step {d['step']}: loss {d['loss']:.3f}, "
+                     f"{d['tok_s']} tokens/s, {d['s']:.0f} s")  # fmt: skip
+
+    snap_at: list[int] = []
+
+    def snap(m, step: int) -> None:  # where OPD starts: the OPD student's SFT part is this model's first part
+        snap_at.append(step)
+        save_checkpoint(m, str(stage_dir / "snapshot.safetensors"))
+
+    s = run_sft(
+        model,
+        template,
+        lambda step: rng.sample(a_train, 24),
+        cfg.student_sft,
+        log=show,
+        snapshot_step=cfg.student_snapshot_step,
+        snapshot=snap,
+    )
+    save_checkpoint(model, str(stage_dir / "policy.safetensors"))
+    return {**s, "snapshot_step": snap_at[0], "log": log, "load": os.getloadavg()[0]}
+
+
+def opd_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
+    """OPD of the RL'd policy into the student (from its SFT snapshot) -> opd/policy.safetensors."""
+    from model.checkpoint import save_checkpoint
+    from rl.demo_opd import run_opd
+
+    sets = _instances(run_dir)
+    teacher, template = _policy(cfg, run_dir / "rl" / "policy.safetensors")
+    student, _ = _policy(cfg, run_dir / "student_sft" / "snapshot.safetensors", student=True)
+    log: list[dict] = []
+
+    show = _progress(log, 20, lambda d: f"  opd step {d['step']}: reverse KL {d['reverse_kl']:.4f}, "
+                     f"{d['sampled_tok_s']} sampled tokens/s, {d['s']:.0f} s")  # fmt: skip
+
+    r = run_opd(student, teacher, template, sets["A_train"], sets["B_train"], cfg.opd, seed=cfg.seed, log=show)
+    save_checkpoint(student, str(stage_dir / "policy.safetensors"))
+    snapshot_step = json.loads((run_dir / "student_sft" / "done.json").read_text())["summary"]["snapshot_step"]
+    return {**r, "snapshot_step": snapshot_step, "log": log, "load": os.getloadavg()[0]}
 
 
 def rl_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
@@ -127,10 +223,9 @@ def rl_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
     sets, tasks = _instances(run_dir), _tasks(run_dir)
     model, template = _policy(cfg, run_dir / "sft" / "policy.safetensors")
 
-    def show(d: dict) -> None:
-        if d["step"] % 20 == 0:
-            print(f"  rl step {d['step']}: recent reward {d['reward_recent']:.2f}, {d['updates']} updates, "
-                  f"{d['samples_s']} samples/s, {d['s']:.0f}/{cfg.rl.seconds:.0f} s", flush=True)
+    show = _progress([], 20, lambda d: f"  rl step {d['step']}: recent reward {d['reward_recent']:.2f}, "
+                     f"{d['updates']} updates, {d['samples_s']} samples/s, {d['s']:.0f} s "
+                     f"({cfg.rl.steps} steps, {cfg.rl.seconds:.0f} s cap)")  # fmt: skip
 
     with _pool() as pool:
         r = run_rl(model, template, sets["B_train"], tasks, pool, cfg.rl, seed=cfg.seed, log=show)

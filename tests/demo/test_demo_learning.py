@@ -4,9 +4,13 @@ GRPO log-prob pass run on the demo policy."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from rl.demo_learning import SFTConfig, build_policy, pack, reward_files, rl_logprobs, run_sft, sft_example
+from rl.config import OptimConfig
+from rl.demo_learning import RLConfig, SFTConfig, build_policy, pack, reward_files, rl_update, run_sft, sft_example
+from rl.optim import build_optimizer
 from synth.families import demo_splits, module_path
 
 
@@ -29,16 +33,33 @@ def test_reward_files():
     assert files is None and "forbidden" in why
 
 
-def test_sft_step_and_rl_logprobs_run():
+def test_sft_step_and_rl_update_run():
     torch.manual_seed(0)
     model, template, args = build_policy()
     assert args.n_layers == 4 and args.hc_mult == 2 and args.qat and args.n_routed_experts == 8
     insts = demo_splits(8, 0, 0)["A_train"]
     ids, mask = sft_example(template, insts[0])
     assert sum(mask) == len(template.tokenizer.encode(insts[0].action)) + 1  # the action and <|end|>
-    s = run_sft(model, template, lambda step: insts, SFTConfig(seconds=0.01, rows=2), log=lambda d: None)
-    assert s["steps"] >= 1 and s["tokens"] > 0
+    snaps = []
+    s = run_sft(
+        model,
+        template,
+        lambda step: insts,
+        SFTConfig(seconds=0.01, rows=2),
+        log=lambda d: None,
+        snapshot_step=0,
+        snapshot=lambda m, step: snaps.append((m, step)),
+    )
+    assert s["steps"] >= 1 and s["tokens"] > 0 and snaps == [(model, 0)]
+    assert s["dspark_acceptance"] is not None  # the drafter trains alongside SFT
     rows = [ids, ids[:-2]]
-    logp, ntok, _ = rl_logprobs(model, rows, [3, 2], temperature=0.7, pad=template.tokenizer.eos_id)
-    assert ntok.tolist() == [3, 2] and bool((logp < 0).all())
-    logp.sum().backward()  # differentiable, as the GRPO update needs
+    gens = [
+        SimpleNamespace(token_ids=ids[-3:], logprobs=[-1.0] * 3),
+        SimpleNamespace(token_ids=ids[-4:-2], logprobs=[-1.0] * 2),
+    ]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, OptimConfig(lr=1e-3, sinkhorn_lr=1e-3, muon_lr=1e-2))
+    m = rl_update(model, opt, rows, gens, [1.0, -1.0], RLConfig(), pad=template.tokenizer.eos_id)
+    assert m["mismatch_abs"] > 0 and 0.0 <= m["dspark_acceptance"] <= 1.0
+    moved = {n.split(".")[0] for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert "mtp" in moved and "layers" in moved  # the policy and the drafter both stepped

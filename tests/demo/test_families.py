@@ -104,6 +104,6 @@ def test_action_round_trips_through_the_chat_template(sets):
     inst = sets["A_train"][0]
     chat = template.render([{"role": "user", "content": inst.prompt}, {"role": "assistant", "content": inst.action}])
     span = chat.turn_spans[-1]
-    generated = chat.token_ids[span.body_start:span.end]
-    assert all(chat.loss_mask[span.body_start:span.end]) and not any(chat.loss_mask[:span.body_start])
+    generated = chat.token_ids[span.body_start : span.end]
+    assert all(chat.loss_mask[span.body_start : span.end]) and not any(chat.loss_mask[: span.body_start])
     assert template.parse_assistant(generated).content == inst.action
