@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,12 +28,6 @@ import torch  # noqa: E402
 
 # NVLink SHARP (NVLS) multicast stays off on the lent machines: NCCL would try to set it up and fail.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(rank: int, cpu: bool) -> torch.device:
@@ -132,6 +125,8 @@ def _spawn(target, world: int, extra: tuple) -> dict:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # fresh interpreters: no CUDA or process-group state inherited
+    from rl.learner import _free_port  # a loopback port for the ranks' rendezvous
+
     queue, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=target, args=(rank, port, queue, *extra)) for rank in range(world)]
     for p in procs:

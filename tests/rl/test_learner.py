@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -148,28 +146,12 @@ def _grads_worker(world: int, out: Path) -> None:
         torch.save({"grads": grads, "loss": metrics["loss"]}, out)
 
 
-def _run_ranks(world: int, out: Path) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), PYTHONPATH=str(root))  # fmt: skip
-        cmd = [sys.executable, __file__, str(world), str(out)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()[-3000:]
-    return torch.load(out)
-
-
 @pytest.mark.slow
-def test_global_token_denominator_makes_two_ranks_equal_one(tmp_path):
+def test_global_token_denominator_makes_two_ranks_equal_one(tmp_path, ranks_launcher):
     """2 gloo ranks with one micro-batch each == 1 rank with both: the loss is a global token-mean."""
-    one = _run_ranks(1, tmp_path / "one.pt")
-    two = _run_ranks(2, tmp_path / "two.pt")
+    for world in (1, 2):
+        ranks_launcher(__file__, world, [str(world), str(tmp_path / f"{world}.pt")], timeout_s=300)
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     assert abs(one["loss"] - two["loss"]) < 1e-6
     assert set(one["grads"]) == set(two["grads"])
     for name, g in one["grads"].items():

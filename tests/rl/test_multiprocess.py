@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -94,33 +92,12 @@ def resume(rank: int, world: int, root: Path) -> dict:
         return {"expected": expected, "got": b.train_step(mine, "sft")["loss"], "files": sorted(os.listdir(path))}
 
 
-def _run_ranks(world: int, out_dir: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), PYTHONPATH=str(root), OMP_NUM_THREADS="1")  # fmt: skip
-        cmd = [sys.executable, __file__, str(out_dir)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=500)  # minutes on a loaded machine
-            assert p.returncode == 0, err.decode()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-
-
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
+def two_ranks(tmp_path_factory, ranks_launcher) -> dict:
     """{case: (rank 0's results, rank 1's)} of the 2-process run, every case in one launch (imports and
     DeepSpeed's set-up cost more than the steps)."""
     out = tmp_path_factory.mktemp("dp")
-    _run_ranks(2, out)
+    ranks_launcher(__file__, 2, [str(out)], timeout_s=500, OMP_NUM_THREADS="1")  # minutes on a loaded machine
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     return {case: (ranks[0][case], ranks[1][case]) for case in [*CASES, "resume"]}
 
