@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         emit({"bench": "sft", **s, "load": round(os.getloadavg()[0], 2)})
         ev("sft")
         rl_cfg = RLConfig(**{**json.loads(args.rl or "{}"), "seconds": args.rl_s})
-        r = run_rl(model, template, sets["B_train"], tasks, pool, rl_cfg, seed=args.seed, log=emit)
+        r = run_rl(model, template, sets["B_train"], tasks, pool, rl_cfg, seed=args.seed, log=emit, demos=a_train)
         emit({"bench": "rl", **{k: v for k, v in r.items() if k != "history"}, "load": round(os.getloadavg()[0], 2)})
         ev("rl")
         emit(

@@ -151,7 +151,8 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     grp = lambda kern: [{"groups": True, kern: {fmt: {"rows": r, "num_warps": w}}} for r, w in tiles]
     qdq_cfgs = grp("qdq_groups") + [{"groups": False, "rows": r, "num_warps": w} for r, w in ((128, 4), (256, 8))]
     # (each swept config replaces its kernel's whole format -> tile map; `default` restores it)
-    pack_cfgs = grp("pack_groups") + [
+    pack_tiles = ((32, 1), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8))  # small tiles won on the H200
+    pack_cfgs = [{"groups": True, "pack_groups": {fmt: {"rows": r, "num_warps": w}}} for r, w in pack_tiles] + [
         {"groups": False, "pairs": True, "rows_pairs": r, "num_warps": 4} for r in (128, 256)
     ]
     if fmt == kq.FMT_FP8:  # no FP8 groups pack kernel: the tile kernel is the one timed

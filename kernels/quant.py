@@ -9,8 +9,9 @@ Packing: two E2M1 nibbles per byte, the low nibble holds the even element; E4M3 
 their e4m3fn bit pattern and UE8M0 scales as the biased exponent byte (2^(b-127)), so
 `scale.view(torch.float8_e4m3fn)` / `scale.view(torch.float8_e8m0fnu)` read them back.
 The torch references live in `model/quant.py` and are re-exported here with an `_ref` suffix.
-Scales are computed on the fp32 bits, x/s is an exact reciprocal multiply (power-of-two scales) or an
-IEEE `div_rn`, there is no FMA contraction, and the fp8/bf16 casts are the hardware RNE ones on the GPU
+Scales are computed on the fp32 bits, x/s is an exact reciprocal multiply (power-of-two scales), an
+IEEE `div_rn`, or for 16-bit x and E2M1 a reciprocal multiply whose rounding is made exact (`_scaled`,
+`_e2m1_lowbits`), there is no FMA contraction, and the fp8/bf16 casts are the hardware RNE ones on the GPU
 (emulated on the bits under the interpreter), so both give the references' bits. The kernels are
 bound by instruction issue as much as by HBM, so the E2M1 rounding is one float add (`_e2m1_parts`),
 the E4M3 scale of 16-bit inputs a multiply by fl(1/6) (`_group_scale`), and the unpack two exact
@@ -101,9 +102,12 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # _fp4_pack_groups_kernel / _fp4_unpack_groups_kernel): "<kind>_groups" maps a format to that
 # kernel's tile (groups per program, warps) or to None, which keeps the tile kernel above. That
 # layout computes each scale once with no shuffles but its 16-byte accesses stride by a whole group
-# (uncoalesced per instruction): on the H200 it won for the MXFP4 pack (66% of HBM against 58%) and
-# the E4M3/16 unpack (58% against 47%), and lost for the fake quant (MXFP4 62% against 80%).
-_PACK_GROUPS = {FMT_FP4_E4M3: None, FMT_MXFP4: {"rows": 256, "num_warps": 8}}
+# (uncoalesced per instruction): on the H200 it won for the E4M3/16 unpack (58% of HBM against 47%)
+# and lost for the fake quant (MXFP4 62% against 80%). Its FP4 pack has the leanest code (sm_90 SASS
+# per element: E4M3/16 14 vs 21 for pairs, MXFP4 10.7 vs 13.6) and the best H200 times, 128 MiB bf16
+# (bench/kernels.py): E4M3/16 68% of HBM (pairs 64%), MXFP4 73.5% at 64 groups / 2 warps (pairs 67%);
+# smaller tiles than 64 and larger than 256 lose. The FP8 pack reaches 80%, a d2d copy 89%.
+_PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
 _UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
 CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,
           "groups": True, "qdq_groups": {FMT_FP8: None, FMT_FP4_E4M3: None, FMT_MXFP4: None},
@@ -252,23 +256,24 @@ def _scale_byte(s, FMT: tl.constexpr):
 def _e2m1_parts(v, SNAP: tl.constexpr):
     """|v| clamped to 6 (snapped to a multiple of 2^-14 with SNAP, see _scaled) and rounded to the E2M1
     grid in ONE float add: the grid step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], and adding
-    C = 1.5·2^(22+k) (k = max(exponent - 1, 0), read off the bits) leaves exactly step-sized ulps, so
-    the add itself is the RNE rounding. Returns (C, mag + C, k): the rounded value is (mag + C) - C and
-    its code (mag + C)'s low mantissa bits (the multiple of the step, 0..4) plus 2k. Checked equal
-    to the table rounding for every fp32 in [0, 8]; fewer instructions than two rounding paths and a
-    select (the quantisers are issue-bound at HBM speed)."""
+    C = 2^(22+k)·(1 + 6·2^-23) (k = max(exponent, 0), i.e. the exponent of max(mag, 1), read off the
+    bits) leaves exactly step-sized ulps, so the add itself is the RNE rounding (C's mantissa is even,
+    so the result's parity is the code's). Returns (C, mag + C): the rounded value is (mag + C) - C,
+    and the code n + 2k (n: the multiple of the step) is the low 4 bits of b + (b >> 22) for the bits
+    b = ((149 + k) << 23) + 6 + n of mag + C (6 + n + 298 + 2k = n + 2k mod 16). Checked equal to the table
+    rounding for every fp32 in [0, 8]; fewer instructions than two paths and a select (issue-bound)."""
     mag = tl.minimum(tl.abs(v), 6.0)
     if SNAP:
         mag = (mag + 768.0) - 768.0
-    k = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) - 127, 0)
-    c = ((k << 23) + 1254096896).to(tl.float32, bitcast=True)  # 1254096896 == (149 << 23) | 2^22
-    return c, mag + c, k
+    # one add-max on the exponent field: (22 << 23) + 6 == 184549382, (149 << 23) + 6 == 1249902598
+    c = tl.maximum((mag.to(tl.int32, bitcast=True) & 0x7F800000) + 184549382, 1249902598)
+    return c.to(tl.float32, bitcast=True), mag + c.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e2m1_qdq(v, SNAP: tl.constexpr):
     """x/s (fp32) -> rounded E2M1 value (fp32), sign kept (also of zero), magnitude clamped to 6."""
-    c, sc, k = _e2m1_parts(v, SNAP)
+    c, sc = _e2m1_parts(v, SNAP)
     r = sc - c
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
@@ -277,8 +282,9 @@ def _e2m1_qdq(v, SNAP: tl.constexpr):
 @triton.jit
 def _e2m1_code(v, SNAP: tl.constexpr):
     """x/s (fp32) -> 4-bit E2M1 code (bit 3 = sign bit of v)."""
-    c, sc, k = _e2m1_parts(v, SNAP)
-    code = (sc.to(tl.int32, bitcast=True) & 15) + 2 * k
+    c, sc = _e2m1_parts(v, SNAP)
+    b = sc.to(tl.int32, bitcast=True)
+    code = (b + (b >> 22)) & 7
     return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
@@ -406,14 +412,67 @@ def _halves_of_words(w, SRC: tl.constexpr):
 
 
 @triton.jit
-def _pack_word(w, r_R, FMT: tl.constexpr, SRC: tl.constexpr):
-    """4 words [R, 4] (8 elements) of one group -> their 4 packed E2M1 bytes as one int32 [R]; r_R is
-    the per-group multiplier (exact 1/s, or fl(1/s) for E4M3 with the snap of `_scaled`)."""
-    even, odd = _halves_of_words(w, SRC)
-    SNAP: tl.constexpr = FMT == 1
-    byte = _e2m1_code(even * r_R[:, None], SNAP) | (_e2m1_code(odd * r_R[:, None], SNAP) << 4)
-    # the 4 bytes are disjoint bit fields, so their sum is their OR (within one thread: no shuffles)
-    return tl.sum(byte << (8 * tl.arange(0, 4))[None, :], axis=1)
+def _e2m1_lowbits(x, r_R, FMT: tl.constexpr):
+    """x (fp32 [R]) times the group's multiplier r -> int32 whose low 4 bits are the E2M1 magnitude code
+    (bit 3 clear; higher bits junk), via `_e2m1_parts`' add. MXFP4: r = 2^-e is exact and |x·r| <= 6·(1+2^-23)
+    (the scale is rounded up from fl(amax·fl(1/6))), which still rounds to code 7, so no clamp. E4M3: r is
+    fl((1+2^-14)/s) and x·r is truncated to 13 significant bits, which reproduces the rounding of x/s:
+    x ≠ t·s puts x/s >= 2^-11·t away from a tie t (see `_scaled`), beyond the <= 2^-12 moved here,
+    while x = t·s gives x·r in (t, t·(1+2^-13)), which truncates back to t exactly (t has <= 3 bits)."""
+    v = x * r_R
+    if FMT == 1:
+        v = (tl.minimum(tl.abs(v), 6.0).to(tl.int32, bitcast=True) & -2048).to(tl.float32, bitcast=True)
+    # the exponent field of the signed v (the mask drops the sign), so |v| stays an operand modifier
+    c = tl.maximum((v.to(tl.int32, bitcast=True) & 0x7F800000) + 184549382, 1249902598)
+    b = (tl.abs(v) + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return b + (b >> 22)  # code in the low 4 bits, see `_e2m1_parts`
+
+
+@triton.jit
+def _pack_words(w, r_R, FMT: tl.constexpr, SRC: tl.constexpr):
+    """4 words [R, 4] (8 elements) of one group -> their 8 E2M1 nibbles as one int32 [R] (element i in
+    nibble i). Each code's low bits and each sign (the top 4 bits of the element's fp32 pattern) enter
+    an accumulator through one funnel shift each; one LOP3 then merges codes and signs."""
+    w02, w13 = tl.split(tl.reshape(w, (w.shape[0], 2, 2)))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    e0, o0 = _halves_of_words(w0, SRC)
+    e1, o1 = _halves_of_words(w1, SRC)
+    e2, o2 = _halves_of_words(w2, SRC)
+    e3, o3 = _halves_of_words(w3, SRC)
+    # signs move up (element 0 enters last), codes move down (element 0 enters first); each chain starts
+    # from a register whose bits all leave it (from a constant, the first two steps compile to more).
+    sg = _signs_in(_signs_in(w0.to(tl.uint32, bitcast=True), e3, o3), e2, o2)
+    sg = _signs_in(_signs_in(sg, e1, o1), e0, o0)
+    acc = _codes_in(_codes_in(sg, e0, o0, r_R, FMT), e1, o1, r_R, FMT)
+    acc = _codes_in(_codes_in(acc, e2, o2, r_R, FMT), e3, o3, r_R, FMT)
+    return ((acc & 0x77777777) | (sg & 0x88888888)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _signs_in(acc, even, odd):
+    """acc << 8 with the top 4 bits (sign in bit 3) of fp32 odd, then even, funnelled in at the bottom."""
+    acc = (acc << 4) | (odd.to(tl.uint32, bitcast=True) >> 28)
+    return (acc << 4) | (even.to(tl.uint32, bitcast=True) >> 28)
+
+
+@triton.jit
+def _codes_in(acc, even, odd, r_R, FMT: tl.constexpr):
+    """acc >> 8 with the low 4 bits of `_e2m1_lowbits` of even, then odd, funnelled in at the top."""
+    acc = (acc >> 4) | (_e2m1_lowbits(even, r_R, FMT).to(tl.uint32, bitcast=True) << 28)
+    return (acc >> 4) | (_e2m1_lowbits(odd, r_R, FMT).to(tl.uint32, bitcast=True) << 28)
+
+
+@triton.jit
+def _approx_div(x, y):
+    """x / y within 2 ulp (PTX div.approx.f32; Triton < 3.7 has no tl.fdiv(approx=True)); exact
+    division under the interpreter, which cannot run PTX."""
+    if INTERPRET:
+        q = x / y
+    else:
+        q = tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    return q
 
 
 @triton.jit
@@ -423,7 +482,7 @@ def _fp4_pack_groups_kernel(
 ):  # fmt: skip
     """FP4 quantise+pack of 16-bit x with ONE THREAD PER GROUP: the group is loaded as BLOCK/8 chunks
     of 4 words (16 bytes each, [R, 4] tensors that Triton lays out one row per thread), so the amax,
-    the scale and its reciprocal are computed once per group with no cross-thread shuffles, and the
+    the scale and its multiplier are computed once per group with no cross-thread shuffles, and the
     group's packed bytes leave as one (E4M3/16) or two (MXFP4/32) 8-byte stores. q is viewed as int64."""
     pid = tl.program_id(0)
     g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -444,17 +503,18 @@ def _fp4_pack_groups_kernel(
     s_R = _group_scale(tl.max(amax, axis=1), FMT, True)
     tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
     if FMT == 1:
-        r_R = tl.math.div_rn(tl.full(s_R.shape, 1.0, tl.float32), s_R)
+        # (1 + 2^-14) / s; within 2 ulp is ample for `_e2m1_lowbits` (the margins are 2^-14 / 2^-13)
+        r_R = _approx_div(tl.full(s_R.shape, 1.00006103515625, tl.float32), s_R)
     else:
         r_R = _pow2_inv(s_R)
-    lo = _pack_word(w0, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
-    hi = _pack_word(w1, r_R, FMT, SRC).to(tl.int64)
+    lo = _pack_words(w0, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
+    hi = _pack_words(w1, r_R, FMT, SRC).to(tl.int64)
     if BLOCK == 16:
         tl.store(q_ptr + g_R, lo | (hi << 32), mask=mask_R)
     else:
         tl.store(q_ptr + 2 * g_R, lo | (hi << 32), mask=mask_R)
-        lo = _pack_word(w2, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
-        hi = _pack_word(w3, r_R, FMT, SRC).to(tl.int64)
+        lo = _pack_words(w2, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
+        hi = _pack_words(w3, r_R, FMT, SRC).to(tl.int64)
         tl.store(q_ptr + 2 * g_R + 1, lo | (hi << 32), mask=mask_R)
 
 

@@ -8,12 +8,14 @@ Stages run in order and resume from their outputs (`rl/stages.py`):
   eval_base, sft, eval_sft, rl, eval_rl
                  the demo policy (`tiny` with rl.demo_learning.DEMO_OVERRIDES; V4.1 mHC, MoE,
                  compressor/indexer, QAT and the DSpark drafter on) is SFT'd on family A, then GRPO'd
-                 on family B with rewards from warm grader containers; the drafter learns the policy
-                 in both; greedy held-out pass@1 on both families and DSpark acceptance in real
+                 asynchronously on family B (a rollout worker process samples the next batch while
+                 the learner grades in warm grader containers and trains; policy lag 1 with truncated
+                 importance weights; a family-A SFT term keeps family A); the drafter learns the
+                 policy in both; greedy held-out pass@1 on both families and DSpark acceptance in real
                  speculative decoding after each (rl/demo_stages.py);
   student_sft, opd, eval_opd, eval_student_sft
                  a half-width student: SFT alone on family A for the whole student budget, and from
-                 its early snapshot OPD (reverse KL to the RL'd policy, rl/demo_opd.py);
+                 from its final weights OPD (reverse KL to the RL'd policy, rl/demo_opd.py);
   report         report.md + PNG plots in run_dir/report (rl/demo_report.py).
 Not here: the learning loops (rl/demo_learning.py, rl/demo_opd.py).
 """
@@ -44,7 +46,8 @@ from rl.stages import StageFn, run_stage
 
 NOT_BUILT_YET = (
     ("factory", "tasks built by the factory stages (synth/) instead of synth/families.py's generator"),
-    ("async", "asynchronous RL with rollouts in agent sandboxes (the demo's GRPO is synchronous)"),
+    ("agent", "multi-turn agent episodes inside sandboxes (the demo's policy answers in one turn; its answers "
+              "are graded in containers)"),
 )
 
 
@@ -88,7 +91,7 @@ def run_demo(job: JobConfig, run_dir: Path, demo: DemoConfig | None = None, skip
     """Run (or resume) every stage not in `skip`, then write the report; returns make_report's dict."""
     from rl.demo_report import make_report
 
-    demo = demo or DemoConfig()
+    demo = demo or DemoConfig(seed=job.trainer.seed)  # `trainer.seed=1 run_dir=runs/demo-1`: another seed
     print(f"[demo] run folder: {run_dir.resolve()}")
     for name, fn in demo_stages(demo, run_dir):
         if name not in skip:

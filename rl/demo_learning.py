@@ -1,13 +1,16 @@
 """The demo's learning loops on synth/families tasks, small enough for 2 CPU threads: chat-rendered
 SFT on family-A demonstrations, greedy held-out pass@1 through model.engine.InferenceEngine and the
-real grader (envs/batch_grading.py), and GRPO on family B with real grading.
+real grader (envs/batch_grading.py), and asynchronous GRPO on family B with real grading (samples
+from a rollout worker process, rl/demo_rollout.py).
 
 Plain loops over the V4.1 Transformer with the project's family optimiser (rl.optim), not the
-DeepSpeed Learner: one process, no engine start-up, nothing to shard (the Learner's loss terms are
-the same: rl.losses.sft_loss / token log-probs, plus the indexer alignment loss). RL follows
+DeepSpeed Learner: one learner process (and RL's rollout worker), no engine start-up, nothing to
+shard (the Learner's loss terms are the same: rl.losses.sft_loss / rl.losses.policy_loss, plus the
+indexer alignment loss). RL follows
 DEMO_NOTES: sampling at T = 0.7 with log-probs at the same temperature, 4 tasks x 8 samples per
-update, group-normalised advantages, zero-spread groups skipped, one on-policy update per batch; tasks
-are drawn by template where the recent sampled reward has spread (TemplateSampler).
+update, group-normalised advantages, zero-spread groups skipped, one update per batch, the batch
+sampled one version back (max_policy_lag 1, truncated importance weights); tasks are drawn by
+template where the recent sampled reward has spread (TemplateSampler).
 Not here: the stage wiring (rl/demo.py) or the measurement script (bench/demo_learning.py).
 """
 
@@ -28,9 +31,9 @@ from model.engine import InferenceEngine
 from model.engram import EngramHasher
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
-from rl.config import OptimConfig
+from rl.config import OptimConfig, PolicyLossConfig
 from rl.demo_dspark import dspark_train_term
-from rl.losses import sft_loss
+from rl.losses import policy_loss, sft_loss
 from rl.optim import build_optimizer
 from synth.families import Instance, apply_action, module_path
 
@@ -42,10 +45,15 @@ GRADE_TIMEOUT_S = 0.5
 
 def build_policy(overrides: dict | None = None, seed: int = 0) -> tuple[Transformer, ChatTemplate, ModelArgs]:
     args = get_flavor("tiny", **(DEMO_OVERRIDES if overrides is None else overrides))
+    model, template = policy_of_args(args, seed)
+    return model, template, args
+
+
+def policy_of_args(args: ModelArgs, seed: int = 0) -> tuple[Transformer, ChatTemplate]:
     tok = Tokenizer.default()
     model = Transformer(args, engram_hasher=EngramHasher(args, tok) if args.engram_layer_ids else None)
     model.init_weights(seed=seed)
-    return model, ChatTemplate(tok), args
+    return model, ChatTemplate(tok)
 
 
 def prompt_ids(template: ChatTemplate, inst: Instance) -> list[int]:
@@ -84,6 +92,12 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int
     return ids, docs, mask
 
 
+def demo_rows(template: ChatTemplate, demos: list[Instance], rng: random.Random, rows: int, seq_len: int = 256):
+    """`rows` packed rows of demonstrations drawn from `demos`: (ids, doc ids, loss mask), as SFT packs them."""
+    examples = [sft_example(template, i) for i in rng.sample(demos, 6 * rows)]  # ~3 fit a 256-token row
+    return tuple(t[:rows] for t in pack(examples, seq_len, template.tokenizer.eos_id))
+
+
 @dataclass
 class SFTConfig:
     seconds: float = 240.0  # wall-clock cap
@@ -102,21 +116,13 @@ def run_sft(
     make_batch: Callable[[int], list[Instance]],
     cfg: SFTConfig,
     log: Callable[[dict], None] = print,
-    snapshot_step: int = 0,
-    snapshot: Callable[[Transformer, int], None] | None = None,
 ) -> dict:
-    """SFT for cfg.steps steps (at most cfg.seconds of wall time) on batches drawn by make_batch(step);
-    `snapshot(model, step)` is called once, before step snapshot_step or, if the time cap binds, once the same
-    share of cfg.seconds has passed (a checkpoint part-way through the budget, same run)."""
+    """SFT for cfg.steps steps (at most cfg.seconds of wall time) on batches drawn by make_batch(step)."""
     opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr))
     model.train()
     pad = template.tokenizer.eos_id
     t0, step, tokens, losses, accept = time.perf_counter(), 0, 0, [], []
-    snap_s = cfg.seconds * snapshot_step / cfg.steps if cfg.steps else float("inf")
     while time.perf_counter() - t0 < cfg.seconds and (not cfg.steps or step < cfg.steps):
-        if snapshot is not None and (step >= snapshot_step or time.perf_counter() - t0 >= snap_s):
-            snapshot(model, step)
-            snapshot = None
         insts = make_batch(step)
         ids, docs, mask = pack([sft_example(template, i) for i in insts], cfg.seq_len, pad)
         ids, docs, mask = ids[: cfg.rows], docs[: cfg.rows], mask[: cfg.rows]
@@ -145,8 +151,6 @@ def run_sft(
                     "dspark_acceptance": round(sum(accept[-10:]) / len(accept[-10:]), 4) if accept else None,
                 }
             )
-    if snapshot is not None:
-        snapshot(model, step)
     el = time.perf_counter() - t0
     return {
         "steps": step,
@@ -256,6 +260,12 @@ class RLConfig:
     adaptive: bool = True
     adaptive_floor: float = 0.03
     adaptive_decay: float = 0.7  # EMA keep-factor of a template's p per group seen
+    # RL draws family B only, and its updates wore family A down (held-out A -0.05..-0.13 per seed):
+    # each update also takes an SFT term on ptx_rows packed family-A demonstration rows (InstructGPT's
+    # "PPO-ptx" mix), weighted by ptx_weight (0: off).
+    ptx_weight: float = 1.0
+    ptx_rows: int = 2
+    max_policy_lag: int = 1  # 1: the worker samples batch t+1 while batch t is graded and trained; 0: in turn
 
 
 class TemplateSampler:
@@ -285,13 +295,25 @@ def _dspark_now(cfg: SFTConfig | RLConfig, step: int) -> bool:
 
 
 def rl_update(
-    model: Transformer, opt, rows: list[list[int]], gens: list, adv: list[float], cfg: RLConfig, pad: int, step: int = 0
+    model: Transformer,
+    opt,
+    rows: list[list[int]],
+    gens: list,
+    adv: list[float],
+    cfg: RLConfig,
+    pad: int,
+    step: int = 0,
+    ptx: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
-    """One on-policy GRPO step on rows (prompt + generated ids) with group-normalised advantages.
+    """One GRPO step on rows (prompt + generated ids) with group-normalised advantages.
 
-    Loss: -Σ adv·log p_T(generated token) / #generated tokens (log-probs at the sampling temperature),
-    plus the indexer term and the DSpark drafter's alignment on the sampled tokens. Also measures the
-    train/rollout mismatch: the engine's log-probs of the same tokens against this forward's."""
+    Loss: rl.losses.policy_loss (decoupled PPO, token-level mean) with π_prox = this forward (one update
+    per batch, so the ratio is 1 and its gradient the policy gradient) and μ = the rollout log-probs:
+    the truncated weight min(π_prox/μ, 2) corrects a batch sampled one version back (lag 1), log-probs
+    at the sampling temperature; plus the indexer term, the DSpark drafter's alignment on the sampled
+    tokens and, given `ptx` (packed ids, doc ids, loss mask of demonstrations), cfg.ptx_weight x their
+    SFT loss. Also measures log π_θ − log μ on the generated tokens (train/rollout mismatch, which
+    includes the lag's policy change when the batch is a version old)."""
     S = max(len(r) for r in rows)
     ids = torch.full((len(rows), S), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), S), dtype=torch.bool)
@@ -305,10 +327,19 @@ def rl_update(
     out = model(ids)
     logp = torch.log_softmax(out.logits[:, :-1].float() / cfg.temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     m = mask[:, 1:]
-    loss = -(torch.tensor(adv)[:, None] * logp * m).sum() / m.sum().clamp(min=1) + out.indexer_loss
+    adv_BS = torch.tensor(adv)[:, None].expand_as(logp)
+    pl_cfg = PolicyLossConfig(temperature=cfg.temperature)
+    loss, pl = policy_loss(logp, logp.detach(), rollout[:, 1:], adv_BS, m, pl_cfg)
+    loss = loss + out.indexer_loss
     ds = dspark_train_term(model, out, ids, None, mask) if _dspark_now(cfg, step) else None
     if ds is not None:
         loss = loss + cfg.dspark_weight * ds.loss
+    ptx_loss = None
+    if ptx is not None:
+        p_ids, p_docs, p_mask = ptx
+        p_out = model(p_ids, p_docs)
+        ptx_loss = sft_loss(p_out.logits, p_ids, p_mask)
+        loss = loss + cfg.ptx_weight * (ptx_loss + p_out.indexer_loss)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -319,6 +350,8 @@ def rl_update(
         # k3 = e^r - 1 - r: unbiased KL(rollout || train) on tokens sampled from the rollout policy
         "mismatch_k3": float((log_ratio.exp() - 1 - log_ratio).mean()),
         "dspark_acceptance": float(ds.acceptance) if ds is not None else None,
+        "ptx_loss": float(ptx_loss.detach()) if ptx_loss is not None else None,
+        "is_weight_mean": pl.get("is_weight_mean"),
     }
 
 
@@ -331,64 +364,98 @@ def run_rl(
     cfg: RLConfig,
     seed: int = 0,
     log: Callable[[dict], None] = print,
+    demos: list[Instance] | None = None,
 ) -> dict:
+    """GRPO on `train` for cfg.steps steps (at most cfg.seconds), asynchronous: a rollout worker
+    process (rl/demo_rollout.py) samples the next batch with the current weights while this process
+    grades the last one and trains on it (cfg.max_policy_lag 1; 0 waits for each update). `demos`:
+    the demonstrations of the ptx term (None or cfg.ptx_weight 0: none)."""
+    from rl.demo_rollout import RolloutProcess, worker_threads
+
+    if cfg.max_policy_lag not in (0, 1):
+        raise ValueError(f"RLConfig.max_policy_lag={cfg.max_policy_lag}: the demo's worker supports 0 or 1")
     opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr))
     sampler = TemplateSampler(train, cfg, random.Random(seed))
+    ptx_rng = random.Random(seed + 17)
     pad = template.tokenizer.eos_id
-    engine = InferenceEngine(model, template, max_sessions=64)
-    t0, step, samples, updates, skipped, graded = time.perf_counter(), 0, 0, 0, 0, 0
-    gen_s = grade_s = train_s = 0.0
+    t0, step, samples, updates, skipped, graded, max_lag = time.perf_counter(), 0, 0, 0, 0, 0, 0
+    gen_s = grade_s = train_s = worker_gen_s = 0.0
     gen_tokens, history = 0, []
-    while time.perf_counter() - t0 < cfg.seconds and (not cfg.steps or step < cfg.steps):
-        insts = sampler.draw(cfg.tasks_per_step)
-        ta = time.perf_counter()
-        gens = generate(engine, template, insts, cfg.samples, cfg.temperature, seed=seed * 100_003 + step)
-        tb = time.perf_counter()
-        pairs = [(insts[k // cfg.samples], action_of(template, g)) for k, g in enumerate(gens)]
-        rewards, info = grade_actions(pairs, tasks, pool)
-        tc = time.perf_counter()
-        graded += info["graded"]
-        samples += len(gens)
-        gen_tokens += sum(len(g.token_ids) for g in gens)
-        rows, used, adv, upd = [], [], [], None
-        for gi in range(cfg.tasks_per_step):
-            r = torch.tensor(rewards[gi * cfg.samples : (gi + 1) * cfg.samples])
-            sampler.update(insts[gi], float(r.mean()))
-            if float(r.std(unbiased=False)) == 0.0:
-                skipped += 1
-                continue
-            a = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
-            for k in range(cfg.samples):
-                g = gens[gi * cfg.samples + k]
-                rows.append(prompt_ids(template, insts[gi]) + g.token_ids)
-                used.append(g)
-                adv.append(float(a[k]))
-        if rows:
-            upd = rl_update(model, opt, rows, used, adv, cfg, pad, step=updates)
-            updates += 1
-        td = time.perf_counter()
-        gen_s, grade_s, train_s = gen_s + tb - ta, grade_s + tc - tb, train_s + td - tc
-        step += 1
-        mean_r = sum(rewards) / len(rewards)
-        history.append({"step": step, "reward": mean_r, "t": round(td - t0, 1), **(upd or {})})
-        if step % 5 == 0:
-            el = time.perf_counter() - t0
-            recent = history[-20:]
-            log(
-                {
-                    "phase": "rl",
-                    "step": step,
-                    "updates": updates,
-                    "skipped_groups": skipped,
-                    "reward_recent": round(sum(h["reward"] for h in recent) / len(recent), 3),
-                    "samples_s": round(samples / el, 1),
-                    "gen_s": round(gen_s, 1),
-                    "grade_s": round(grade_s, 1),
-                    "train_s": round(train_s, 1),
-                    "s": round(el, 1),
-                    "load": round(os.getloadavg()[0], 2),
-                }
-            )
+
+    def more(k: int) -> bool:  # is step k within the step budget?
+        return not cfg.steps or k < cfg.steps
+
+    with RolloutProcess(model.args, threads=worker_threads()) as worker:
+        worker.send_weights(0, model.state_dict())
+        worker.wait_ready()  # the worker's start-up (a process, torch, the model) is not RL time
+        t0 = time.perf_counter()
+
+        def submit(k: int) -> list[Instance]:
+            insts = sampler.draw(cfg.tasks_per_step)
+            worker.submit(insts, cfg.samples, cfg.temperature, seed=seed * 100_003 + k)
+            return insts
+
+        queued = [submit(0)]
+        while time.perf_counter() - t0 < cfg.seconds and more(step):
+            ta = time.perf_counter()
+            gens, insts = worker.result(), queued.pop(0)
+            worker_gen_s += worker.last_gen_s
+            tb = time.perf_counter()
+            if cfg.max_policy_lag and more(step + 1):
+                queued.append(submit(step + 1))  # sampled by this version while we grade and train
+            pairs = [(insts[k // cfg.samples], action_of(template, g)) for k, g in enumerate(gens)]
+            rewards, info = grade_actions(pairs, tasks, pool)
+            tc = time.perf_counter()
+            graded += info["graded"]
+            samples += len(gens)
+            gen_tokens += sum(len(g.token_ids) for g in gens)
+            rows, used, adv, upd = [], [], [], None
+            for gi in range(cfg.tasks_per_step):
+                r = torch.tensor(rewards[gi * cfg.samples : (gi + 1) * cfg.samples])
+                sampler.update(insts[gi], float(r.mean()))
+                if float(r.std(unbiased=False)) == 0.0:
+                    skipped += 1
+                    continue
+                a = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+                for k in range(cfg.samples):
+                    g = gens[gi * cfg.samples + k]
+                    rows.append(prompt_ids(template, insts[gi]) + g.token_ids)
+                    used.append(g)
+                    adv.append(float(a[k]))
+            if rows:
+                lag = updates - min(v for g in used for v in g.policy_versions)
+                if lag > cfg.max_policy_lag:
+                    raise RuntimeError(f"a trained token is {lag} versions old (max_policy_lag {cfg.max_policy_lag})")
+                max_lag = max(max_lag, lag)
+                ptx = demo_rows(template, demos, ptx_rng, cfg.ptx_rows) if demos and cfg.ptx_weight > 0 else None
+                upd = {**rl_update(model, opt, rows, used, adv, cfg, pad, step=updates, ptx=ptx), "lag": lag}
+                updates += 1
+                worker.send_weights(updates, model.state_dict())
+            if not cfg.max_policy_lag and more(step + 1):
+                queued.append(submit(step + 1))
+            td = time.perf_counter()
+            gen_s, grade_s, train_s = gen_s + tb - ta, grade_s + tc - tb, train_s + td - tc
+            step += 1
+            mean_r = sum(rewards) / len(rewards)
+            history.append({"step": step, "reward": mean_r, "t": round(td - t0, 1), **(upd or {})})
+            if step % 5 == 0:
+                el = time.perf_counter() - t0
+                recent = history[-20:]
+                log(
+                    {
+                        "phase": "rl",
+                        "step": step,
+                        "updates": updates,
+                        "skipped_groups": skipped,
+                        "reward_recent": round(sum(h["reward"] for h in recent) / len(recent), 3),
+                        "samples_s": round(samples / el, 1),
+                        "gen_wait_s": round(gen_s, 1),
+                        "grade_s": round(grade_s, 1),
+                        "train_s": round(train_s, 1),
+                        "s": round(el, 1),
+                        "load": round(os.getloadavg()[0], 2),
+                    }
+                )
     el = time.perf_counter() - t0
     return {
         "steps": step,
@@ -399,8 +466,10 @@ def run_rl(
         "seconds": el,
         "samples_s": samples / el,
         "gen_tokens": gen_tokens,
-        "gen_tok_s": gen_tokens / max(gen_s, 1e-9),
-        "gen_s": gen_s,
+        "gen_s": worker_gen_s,  # the worker generating
+        "gen_tok_s": gen_tokens / max(worker_gen_s, 1e-9),
+        "gen_wait_s": gen_s,  # the learner waiting for samples: the generation time overlap did not hide
+        "max_policy_lag": max_lag,
         "grade_s": grade_s,
         "train_s": train_s,
         "gradings_s_while_grading": graded / max(grade_s, 1e-9),

@@ -78,8 +78,14 @@ def _plot_rl(plt, rl: dict, out_dir: Path, files: list[str]) -> None:
     upd = [h for h in hist if h.get("mismatch_abs") is not None]
     if upd:
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.plot([h["step"] for h in upd], [h["mismatch_abs"] for h in upd], ".-", label="mean |Δ log p| per token")
-        ax.plot([h["step"] for h in upd], [h["mismatch_k3"] for h in upd], ".-", label="KL estimate (k3)")
+        for lag, mark in ((0, "o"), (1, ".")):  # lag 0: same weights (numerics); lag 1: one update apart too
+            pts = [h for h in upd if h.get("lag", 0) == lag]
+            if pts:
+                ax.plot([h["step"] for h in pts], [h["mismatch_abs"] for h in pts], mark,
+                        label=f"mean |Δ log p| per token, lag {lag}")  # fmt: skip
+                ax.plot([h["step"] for h in pts], [h["mismatch_k3"] for h in pts], mark, alpha=0.6,
+                        label=f"KL estimate (k3), lag {lag}")  # fmt: skip
+        ax.set_yscale("log")
         ax.set(xlabel="RL step", ylabel="rollout vs train log-prob", title="Train/rollout mismatch (GRPO updates)")
         ax.legend(fontsize=8)
         _save(fig, out_dir, "mismatch.png", files)
@@ -212,16 +218,19 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
             f"{r['steps']} steps ({r['updates']} updates, {r['skipped_groups']} zero-spread groups skipped), "
             f"{r['samples']} samples in {r['seconds']:.0f} s: **{r['samples_s']:.1f} samples/s**; "
             f"{r['graded']} real gradings at **{r['gradings_s_while_grading']:.0f} gradings/s** while "
-            f"grading (generation {r['gen_s']:.0f} s, grading {r['grade_s']:.0f} s, training "
-            f"{r['train_s']:.0f} s; load average {r['load']:.1f}).",
+            f"grading (the rollout worker generated for {r['gen_s']:.0f} s, of which the learner waited "
+            f"{r.get('gen_wait_s', r['gen_s']):.0f} s: asynchronous, max policy lag {r.get('max_policy_lag', 0)}; "
+            f"grading {r['grade_s']:.0f} s, training {r['train_s']:.0f} s; load average {r['load']:.1f}).",
             "",
             "![reward](rl_reward.png)",
             "",
         ]
         if "mismatch.png" in files:
             lines += [
-                "Train/rollout mismatch: the engine's log-probs of the sampled tokens (KV-cached decode) "
-                "against the learner's teacher-forced forward of the same weights, before each update.",
+                "Train/rollout mismatch: the rollout worker's log-probs of the sampled tokens (KV-cached "
+                "decode) against the learner's teacher-forced forward before each update. At lag 0 the "
+                "weights are the same (numerics only); at lag 1 the batch was sampled one update earlier, "
+                "so the difference also holds that update (corrected by the truncated importance weight).",
                 "",
                 "![mismatch](mismatch.png)",
                 "",
@@ -232,11 +241,11 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
         lines += [
             "## OPD: a half-width student distilled from the RL'd policy",
             "",
-            f"Both students start with the same SFT on family A ({o.get('snapshot_step', '?')} steps). Then the "
-            f"OPD student spends {o['seconds']:.0f} s on on-policy reverse-KL distillation from the RL'd policy "
+            f"The SFT-only student is trained by SFT alone on family A ({st['steps']} steps, "
+            f"{st['seconds']:.0f} s; its loss has flattened by then). The OPD student continues from it for "
+            f"{o['seconds']:.0f} s of on-policy reverse-KL distillation from the RL'd policy on families A and B "
             f"({o['steps']} steps, {o['sampled_tokens']} sampled tokens, reverse KL {o['first_kl']:.3f} -> "
-            f"{o['last_kl']:.3f}), while the SFT-only student continues SFT on the same demonstrations "
-            f"({st['steps']} SFT steps, {st['seconds']:.0f} s in all).",
+            f"{o['last_kl']:.3f}, plus an SFT term on family-A demonstrations).",
             "",
         ]
         if e_s:

@@ -40,17 +40,8 @@ def test_sft_step_and_rl_update_run():
     insts = demo_splits(8, 0, 0)["A_train"]
     ids, mask = sft_example(template, insts[0])
     assert sum(mask) == len(template.tokenizer.encode(insts[0].action)) + 1  # the action and <|end|>
-    snaps = []
-    s = run_sft(
-        model,
-        template,
-        lambda step: insts,
-        SFTConfig(seconds=0.01, rows=2),
-        log=lambda d: None,
-        snapshot_step=0,
-        snapshot=lambda m, step: snaps.append((m, step)),
-    )
-    assert s["steps"] >= 1 and s["tokens"] > 0 and snaps == [(model, 0)]
+    s = run_sft(model, template, lambda step: insts, SFTConfig(seconds=0.01, rows=2), log=lambda d: None)
+    assert s["steps"] >= 1 and s["tokens"] > 0
     assert s["dspark_acceptance"] is not None  # the drafter trains alongside SFT
     rows = [ids, ids[:-2]]
     gens = [

@@ -226,3 +226,53 @@ def test_fp4_e4m3_exact_ties_under_non_power_of_two_scales(device):
     q, s = kq.quantize_fp4_e4m3_packed(x)
     rq, rs = kq.quantize_fp4_e4m3_ref(x)
     assert torch.equal(q, kq.pack_e2m1_ref(rq))
+
+
+def _tie_neighbours(fmt: str, dtype: torch.dtype, device, n_groups: int = 512, seed: int = 3) -> torch.Tensor:
+    """Random groups whose elements sit on, or one ulp (of `dtype`) either side of, t·s for every E2M1
+    grid value and tie t, with the group's scale s random (amax 6·s pins it) and random signs and zeros."""
+    g = torch.Generator().manual_seed(seed)
+    block = 16 if fmt == "fp4_e4m3" else 32
+    if fmt == "fp4_e4m3":  # every e4m3 scale whose 6·s and t·s stay finite and normal enough in dtype
+        codes = torch.arange(1, 0x7F, dtype=torch.int32).to(torch.uint8)
+        scales = codes.view(torch.float8_e4m3fn).float()
+    else:
+        scales = 2.0 ** torch.arange(-120, 120, dtype=torch.float32)
+    if dtype == torch.float16:
+        scales = scales[(scales >= 2.0**-10) & (scales <= 4096.0)]
+    s = scales[torch.randint(scales.numel(), (n_groups,), generator=g)]
+    t = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
+    vals = t[torch.randint(t.numel(), (n_groups, block), generator=g)] * s[:, None]
+    vals[:, 0] = 6.0 * s
+    x = vals.to(dtype)
+    step = torch.randint(-1, 2, (n_groups, block), generator=g, dtype=torch.int16)
+    step[:, 0] = 0
+    bits = x.view(torch.int16)
+    x = torch.where((x != 0) & (step != 0), (bits + step).view(dtype), x)
+    sign = torch.randint(0, 2, (n_groups, block), generator=g).bool()
+    return torch.where(sign, -x, x).to(device)
+
+
+@pytest.mark.parametrize("fmt", ["fp4_e4m3", "mxfp4"])
+@pytest.mark.parametrize("path", ["pairs", "groups"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp4_pack_paths_all_values_and_ties(device, fmt, path, dtype, monkeypatch):
+    """Both 16-bit FP4 pack kernels on every finite bit pattern of the dtype, on values at and one ulp
+    around every t·s (t a grid value or tie, s the group scale), and on the E4M3 scale-tie groups."""
+    monkeypatch.setitem(kq.CONFIG, "pairs", path == "pairs")
+    monkeypatch.setitem(kq.CONFIG, "groups", path == "groups")
+    monkeypatch.setitem(kq.CONFIG, "pack_groups", {kq.FMT_FP4_E4M3: {"rows": 64, "num_warps": 4},
+                                                    kq.FMT_MXFP4: {"rows": 64, "num_warps": 4}})  # fmt: skip
+    code, tri, ref, block = PACK[fmt]
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype)
+    x = x[torch.isfinite(x)]
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(4))]
+    inputs = [x[: x.numel() // block * block].view(-1, block).to(device), _tie_neighbours(fmt, dtype, device)]
+    if fmt == "fp4_e4m3" and dtype == torch.bfloat16:
+        inputs.append(_e4m3_scale_ties(device))
+    for x in inputs:
+        q, s = tri(x)
+        rq, rs = ref(x)
+        assert torch.equal(kq.scale_bytes_to_float(s, code), rs)
+        assert torch.equal(q, kq.pack_e2m1_ref(rq))
