@@ -195,7 +195,7 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
         ]
         lines += [
             "",
-            "Seed-to-seed spread of these numbers: see README (bench/demo_learning.py over 3 seeds).",
+            "Seed-to-seed spread of these numbers: README (`make demo` at seeds 0, 1, 2: `trainer.seed=N`).",
             "",
             "![pass@1](pass_at_1.png)",
             "",
@@ -242,7 +242,7 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
             "## OPD: a half-width student distilled from the RL'd policy",
             "",
             f"The SFT-only student is trained by SFT alone on family A ({st['steps']} steps, "
-            f"{st['seconds']:.0f} s; its loss has flattened by then). The OPD student continues from it for "
+            f"{st['seconds']:.0f} s, final loss {st['last_loss']:.2f}). The OPD student continues from it for "
             f"{o['seconds']:.0f} s of on-policy reverse-KL distillation from the RL'd policy on families A and B "
             f"({o['steps']} steps, {o['sampled_tokens']} sampled tokens, reverse KL {o['first_kl']:.3f} -> "
             f"{o['last_kl']:.3f}, plus an SFT term on family-A demonstrations).",

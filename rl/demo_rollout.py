@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import time
 import traceback
 from collections.abc import Mapping
@@ -33,7 +34,16 @@ def _serve(args, threads: int, requests, results) -> None:
     model, template = policy_of_args(args)
     model.eval()
     engine = InferenceEngine(model, template, max_sessions=64)
-    while (req := requests.get()) is not None:
+    parent = mp.parent_process()
+    while True:
+        try:
+            req = requests.get(timeout=5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():  # the learner was killed: do not linger
+                return
+            continue
+        if req is None:
+            return
         kind, payload = req
         try:
             if kind == "weights":
@@ -104,8 +114,6 @@ class RolloutProcess:
         raise RuntimeError("RolloutProcess.result() without a submitted job")
 
     def _get(self):
-        import queue
-
         while True:
             try:
                 return self._results.get(timeout=5)
