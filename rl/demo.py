@@ -40,7 +40,6 @@ from rl.demo_stages import (
     opd_stage,
     rl_stage,
     sft_stage,
-    student_sft_stage,
 )
 from rl.stages import StageFn, run_stage
 
@@ -80,7 +79,7 @@ def demo_stages(demo: DemoConfig, run_dir: Path) -> list[tuple[str, StageFn]]:
         ("eval_sft", partial(eval_stage, demo, run_dir, "sft/policy.safetensors")),
         ("rl", partial(rl_stage, demo, run_dir)),
         ("eval_rl", partial(eval_stage, demo, run_dir, "rl/policy.safetensors")),
-        ("student_sft", partial(student_sft_stage, demo, run_dir)),
+        ("student_sft", partial(sft_stage, demo, run_dir, student=True)),
         ("opd", partial(opd_stage, demo, run_dir)),
         ("eval_opd", partial(student_eval, demo, run_dir, "opd/policy.safetensors")),
         ("eval_student_sft", partial(student_eval, demo, run_dir, "student_sft/policy.safetensors")),

@@ -378,7 +378,7 @@ def run_rl(
     sampler = TemplateSampler(train, cfg, random.Random(seed))
     ptx_rng = random.Random(seed + 17)
     pad = template.tokenizer.eos_id
-    t0, step, samples, updates, skipped, graded, max_lag = time.perf_counter(), 0, 0, 0, 0, 0, 0
+    step, samples, updates, skipped, graded, max_lag = 0, 0, 0, 0, 0, 0
     gen_s = grade_s = train_s = worker_gen_s = 0.0
     gen_tokens, history = 0, []
 
@@ -417,9 +417,10 @@ def run_rl(
                     skipped += 1
                     continue
                 a = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+                prompt = prompt_ids(template, insts[gi])  # rendered once per group, not per sample
                 for k in range(cfg.samples):
                     g = gens[gi * cfg.samples + k]
-                    rows.append(prompt_ids(template, insts[gi]) + g.token_ids)
+                    rows.append(prompt + g.token_ids)
                     used.append(g)
                     adv.append(float(a[k]))
             if rows:

@@ -111,7 +111,7 @@ def run_opd(
             if more(step + 1):
                 queued.append(submit(step + 1))
             tb = time.perf_counter()
-            prompts = [prompt_ids(template, i) for i in insts for _ in range(cfg.samples)]
+            prompts = [p for i in insts for p in [prompt_ids(template, i)] * cfg.samples]
             ids, mask = _rows(prompts, gens, pad)
             with torch.no_grad():
                 t_logits = teacher(ids, compute_indexer_loss=False).logits

@@ -96,30 +96,31 @@ class RolloutProcess:
         assert "gens" not in self._pending, "wait_ready() with a generate job pending"
         while self._pending:
             self._pending.pop(0)
-            kind, payload = self._get()
-            if kind == "error":
-                raise RuntimeError(f"demo rollout worker failed:\n{payload}")
+            self._get()
 
     def result(self) -> list:
         """The generations of the oldest submitted job (weight acknowledgements before it are consumed)."""
         while self._pending:
             want = self._pending.pop(0)
             kind, payload = self._get()
-            if kind == "error":
-                raise RuntimeError(f"demo rollout worker failed:\n{payload}")
             assert kind == want, (kind, want)
             if kind == "gens":
                 gens, self.last_gen_s = payload
                 return gens
         raise RuntimeError("RolloutProcess.result() without a submitted job")
 
-    def _get(self):
+    def _get(self) -> tuple[str, object]:
+        """The next reply; a worker's error or death is raised here."""
         while True:
             try:
-                return self._results.get(timeout=5)
+                kind, payload = self._results.get(timeout=5)
             except queue.Empty:
                 if not self._proc.is_alive():
                     raise RuntimeError(f"demo rollout worker died (exit code {self._proc.exitcode})") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"demo rollout worker failed:\n{payload}")
+            return kind, payload
 
 
 def worker_threads() -> int:

@@ -147,41 +147,24 @@ def eval_stage(
     return out
 
 
-def sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
+def sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path, student: bool = False) -> dict:
+    """SFT on family-A demonstrations of the policy (cfg.sft) or, with `student`, of the half-width
+    student trained by SFT alone (cfg.student_sft) -> policy.safetensors."""
     import random
 
     from model.checkpoint import save_checkpoint
     from rl.demo_learning import run_sft
 
     a_train = _instances(run_dir)["A_train"]
-    model, template = _policy(cfg, None)
-    rng = random.Random(cfg.seed)
-    log = []
-
-    show = _progress(log, 50, lambda d: f"  sft step {d['step']}: loss {d['loss']:.3f}, {d['tok_s']} tokens/s, "
-                     f"{d['s']:.0f} s ({cfg.sft.steps} steps, {cfg.sft.seconds:.0f} s cap)")  # fmt: skip
-
-    s = run_sft(model, template, lambda step: rng.sample(a_train, 24), cfg.sft, log=show)
-    save_checkpoint(model, str(stage_dir / "policy.safetensors"))
-    return {**s, "log": log, "load": os.getloadavg()[0]}
-
-
-def student_sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
-    """The student trained by SFT alone on family-A demonstrations -> policy.safetensors."""
-    import random
-
-    from model.checkpoint import save_checkpoint
-    from rl.demo_learning import run_sft
-
-    a_train = _instances(run_dir)["A_train"]
-    model, template = _policy(cfg, None, student=True)
-    rng = random.Random(cfg.seed + 1)
+    model, template = _policy(cfg, None, student=student)
+    rng = random.Random(cfg.seed + student)  # the student draws its own batch order
+    sft = cfg.student_sft if student else cfg.sft
     log: list[dict] = []
 
-    show = _progress(log, 50, lambda d: f"  student sft step {d['step']}: loss {d['loss']:.3f}, "
-                     f"{d['tok_s']} tokens/s, {d['s']:.0f} s")  # fmt: skip
+    show = _progress(log, 50, lambda d: f"  {'student ' * student}sft step {d['step']}: loss {d['loss']:.3f}, "
+                     f"{d['tok_s']} tokens/s, {d['s']:.0f} s ({sft.steps} steps, {sft.seconds:.0f} s cap)")  # fmt: skip
 
-    s = run_sft(model, template, lambda step: rng.sample(a_train, 24), cfg.student_sft, log=show)
+    s = run_sft(model, template, lambda step: rng.sample(a_train, 24), sft, log=show)
     save_checkpoint(model, str(stage_dir / "policy.safetensors"))
     return {**s, "log": log, "load": os.getloadavg()[0]}
 
