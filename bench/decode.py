@@ -96,6 +96,7 @@ def bench(args: ModelArgs, flavor: str, device: torch.device, batch: int, prompt
         "flavor": flavor,
         "device": _device_name(device),
         "dtype": str(model.embed.weight.dtype).removeprefix("torch."),
+        "impl": args.impl,
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         default="train",
         help="decode the prompts the drafter was trained on, or fresh ones (see the docstring)",
     )
+    p.add_argument("--impl", choices=("torch", "triton"), default=None, help="ModelArgs.impl (default: the flavor's)")
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     for flavor in flavors:
         device = torch.device(ns.device or ("cuda" if flavor == "small" else "cpu"))
         prompt_len, new_tokens = DEFAULTS[flavor]
-        args = get_flavor(flavor, **OVERRIDES.get(flavor, {}))
+        args = get_flavor(flavor, **OVERRIDES.get(flavor, {}), **({"impl": ns.impl} if ns.impl else {}))
         if ns.speculative:
             bench_speculative(ns, args, flavor, device)
             continue

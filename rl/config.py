@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rl.cluster import ClusterConfig
+from rl.demo_config import DemoConfig
 
 MODEL_FLAVORS = ("debug", "tiny", "small", "flash")
 TRAINER_KINDS = ("sft", "rl", "opd", "dspark")
@@ -46,7 +47,7 @@ class ModelChoice:
         if unknown:
             raise ValueError(f"model.overrides has unknown ModelArgs fields {unknown}; valid fields: {sorted(known)}")
         fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in self.overrides.items()}
-        return dataclasses.replace(args, **fixed)
+        return get_flavor(self.flavor, **fixed)  # re-derives the layer schedule when n_layers changes
 
 
 @dataclass(kw_only=True)
@@ -63,6 +64,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     momentum: float = 0.95
+    # torch.compile DeepSpeed's muon_update on a GPU: faster steps, after seconds of compilation and
+    # autotuning per matrix shape (minutes for `small`); the demo's minutes-long stages run it eager
+    compile_muon: bool = True
     ns_steps: int = 5
     ns_method: str = "gram"  # DeepSpeed's Newton-Schulz variant: "gram" (fp16, fp32 on CPU) or "standard" (bf16)
     sinkhorn_iters: int = 5
@@ -207,6 +211,7 @@ class JobConfig:
     run_dir: str = "runs/default"
     dry_run: bool = False
     entry: str = "train"  # "train": the trainer picked by trainer.kind; "demo": the embedded demo pipeline
+    demo: DemoConfig = field(default_factory=DemoConfig)  # the demo's stages (entry "demo" only)
 
     def __post_init__(self) -> None:
         _require(self.entry, ("train", "demo"), "entry")
@@ -240,6 +245,15 @@ class FactoryJobConfig:
 def _convert(cfg: DictConfig, schema: type):
     merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     return OmegaConf.to_object(merged)
+
+
+def register_schemas() -> None:
+    """Dataclass nodes for Hydra's ConfigStore, so YAML can compose them in (`- /schema/demo@demo`)
+    and every field is overridable and type-checked on the command line without repeating the
+    defaults in YAML. Called once by the entry point that composes (rl/train.py)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="schema", name="demo", node=DemoConfig)
 
 
 def to_job_config(cfg: DictConfig) -> JobConfig:

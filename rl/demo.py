@@ -89,9 +89,11 @@ def demo_stages(demo: DemoConfig, run_dir: Path) -> list[tuple[str, StageFn]]:
 def run_demo(job: JobConfig, run_dir: Path, demo: DemoConfig | None = None, skip: tuple[str, ...] = ()) -> dict:
     """Run (or resume) every stage not in `skip`, then write the report; returns make_report's dict."""
     from rl.demo_report import make_report
+    from rl.demo_stages import device
 
-    demo = demo or DemoConfig(seed=job.trainer.seed)  # `trainer.seed=1 run_dir=runs/demo-1`: another seed
+    demo = demo or job.demo  # experiment=demo fills demo.seed/flavor/overrides from trainer.seed and model
     print(f"[demo] run folder: {run_dir.resolve()}")
+    print(f"[demo] policy: {demo.flavor} {demo.overrides or ''} on {device(demo)}, seed {demo.seed}")
     for name, fn in demo_stages(demo, run_dir):
         if name not in skip:
             run_stage(run_dir, name, fn)

@@ -43,7 +43,7 @@ def speculative_acceptance(
         return {"acceptance": None}
     k = model.args.dspark_block_size
     spec = SpeculativeConfig(cost=CostModel(t_verify=[1.0] * (k + 1), t_draft=0.0), min_speedup=0.0)
-    engine = InferenceEngine(model, template, max_sessions=4, speculative=spec)
+    engine = InferenceEngine(model, template, max_sessions=4, speculative=spec, device=next(model.parameters()).device)
     model.eval()
     tot = {"drafted": 0, "accepted": 0, "emitted": 0, "steps": 0}
     for inst in insts:  # one session per call: the rows of one call share one emitted length

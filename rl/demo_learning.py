@@ -16,35 +16,56 @@ Not here: the stage wiring (rl/demo.py) or the measurement script (bench/demo_le
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from envs.batch_grading import grade_batch, screen_edit
 from model.chat_template import ChatTemplate
-from model.config import ModelArgs, get_flavor
+from model.config import ModelArgs, get_flavor, tiny_args
 from model.engine import InferenceEngine
 from model.engram import EngramHasher
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from rl.config import OptimConfig, PolicyLossConfig
+from rl.demo_config import RLConfig, SFTConfig
 from rl.demo_dspark import dspark_train_term
 from rl.losses import policy_loss, sft_loss
 from rl.optim import build_optimizer
 from synth.families import Instance, apply_action, module_path
 
-# The recommended demo policy: `tiny` with 4 layers and 2 mHC streams (the V4.1 parts stay on).
+# The recommended demo policy: `tiny` with 4 layers and 2 mHC streams (the V4.1 parts stay on);
+# conf/model/tiny_demo.yaml, what `make demo` trains.
 DEMO_OVERRIDES: dict = {"n_layers": 4, "hc_mult": 2}
 MAX_ACTION_TOKENS = 16
 GRADE_TIMEOUT_S = 0.5
 
 
-def build_policy(overrides: dict | None = None, seed: int = 0) -> tuple[Transformer, ChatTemplate, ModelArgs]:
-    args = get_flavor("tiny", **(DEMO_OVERRIDES if overrides is None else overrides))
+def demo_args(flavor: str = "tiny", overrides: dict | None = None, shrink: int = 1) -> ModelArgs:
+    """The demo policy's ModelArgs: get_flavor(flavor, **overrides) fitted to the shipped tokenizer
+    (the demo's prompts and grader use model/assets/tokenizer.json; `small`/`flash` are sized for
+    the released one: their vocabulary, Engram compressed vocabulary and special ids are replaced by
+    the tiny flavor's, which are that tokenizer's), at 1/shrink of its width (the OPD student)."""
+    args = get_flavor(flavor, **(DEMO_OVERRIDES if overrides is None else overrides))
+    t = tiny_args()
+    fit = {
+        k: getattr(t, k)
+        for k in ("vocab_size", "engram_compressed_vocab_size", "image_token_id", "dspark_noise_token_id")
+    }
+    if shrink > 1:
+        fit |= {"dim": args.dim // shrink, "moe_inter_dim": args.moe_inter_dim // shrink}
+    return dataclasses.replace(args, **fit)
+
+
+def build_policy(
+    overrides: dict | None = None, seed: int = 0, flavor: str = "tiny", shrink: int = 1
+) -> tuple[Transformer, ChatTemplate, ModelArgs]:
+    """A seeded demo policy on the CPU (demo_args; callers move it with .to(device))."""
+    args = demo_args(flavor, overrides, shrink)
     model, template = policy_of_args(args, seed)
     return model, template, args
 
@@ -54,6 +75,10 @@ def policy_of_args(args: ModelArgs, seed: int = 0) -> tuple[Transformer, ChatTem
     model = Transformer(args, engram_hasher=EngramHasher(args, tok) if args.engram_layer_ids else None)
     model.init_weights(seed=seed)
     return model, ChatTemplate(tok)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def prompt_ids(template: ChatTemplate, inst: Instance) -> list[int]:
@@ -98,18 +123,6 @@ def demo_rows(template: ChatTemplate, demos: list[Instance], rng: random.Random,
     return tuple(t[:rows] for t in pack(examples, seq_len, template.tokenizer.eos_id))
 
 
-@dataclass
-class SFTConfig:
-    seconds: float = 240.0  # wall-clock cap
-    steps: int = 0  # step budget (0: none); with a cap above the quiet machine's time, load cannot change results
-    seq_len: int = 256
-    rows: int = 8  # rows per optimiser step
-    lr: float = 2e-3
-    muon_lr: float = 0.02
-    dspark_weight: float = 1.0  # the DSpark drafter learns the policy on assistant tokens (0: untouched)
-    dspark_every: int = 4  # ...on every n-th step: its k-token drafts over every position cost ~half a step
-
-
 def run_sft(
     model: Transformer,
     template: ChatTemplate,
@@ -118,14 +131,14 @@ def run_sft(
     log: Callable[[dict], None] = print,
 ) -> dict:
     """SFT for cfg.steps steps (at most cfg.seconds of wall time) on batches drawn by make_batch(step)."""
-    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr))
+    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr, compile_muon=False))
     model.train()
-    pad = template.tokenizer.eos_id
+    pad, dev = template.tokenizer.eos_id, device_of(model)
     t0, step, tokens, losses, accept = time.perf_counter(), 0, 0, [], []
     while time.perf_counter() - t0 < cfg.seconds and (not cfg.steps or step < cfg.steps):
         insts = make_batch(step)
         ids, docs, mask = pack([sft_example(template, i) for i in insts], cfg.seq_len, pad)
-        ids, docs, mask = ids[: cfg.rows], docs[: cfg.rows], mask[: cfg.rows]
+        ids, docs, mask = (t[: cfg.rows].to(dev) for t in (ids, docs, mask))
         out = model(ids, docs)
         loss = sft_loss(out.logits, ids, mask) + out.indexer_loss
         ds = dspark_train_term(model, out, ids, docs, mask) if _dspark_now(cfg, step) else None
@@ -226,7 +239,7 @@ def grade_actions(pairs: list[tuple[Instance, str]], tasks: dict, pool) -> tuple
 def evaluate(model: Transformer, template: ChatTemplate, insts: list[Instance], tasks: dict, pool) -> dict:
     """Greedy pass@1 on held-out instances, graded by the real grader."""
     t0 = time.perf_counter()
-    engine = InferenceEngine(model, template, max_sessions=64)
+    engine = InferenceEngine(model, template, max_sessions=64, device=device_of(model))
     gens = generate(engine, template, insts, 1, 0.0, seed=0)
     gen_s = time.perf_counter() - t0
     rewards, info = grade_actions([(i, action_of(template, g)) for i, g in zip(insts, gens)], tasks, pool)
@@ -240,32 +253,6 @@ def evaluate(model: Transformer, template: ChatTemplate, insts: list[Instance], 
         **info,
         "examples": [action_of(template, g) for g in gens[:3]],
     }
-
-
-@dataclass
-class RLConfig:
-    seconds: float = 240.0  # wall-clock cap
-    steps: int = 0  # step budget (0: none)
-    tasks_per_step: int = 4
-    samples: int = 8
-    temperature: float = 0.7
-    # DEMO_NOTES' AdamW lr 3e-5 moved the greedy policy too little in the ~50-100 updates 2 cores
-    # allow; Muon (matrices) needs a larger lr than AdamW for a similar step.
-    lr: float = 1e-4
-    muon_lr: float = 2e-3
-    dspark_weight: float = 1.0  # keeps the drafter aligned with the moving policy
-    dspark_every: int = 4  # on every n-th update
-    # Task choice by template: weight p(1-p) + floor, p = the template's recent sampled reward, so
-    # groups land where they have reward spread (all-0 or all-1 groups carry no GRPO signal).
-    adaptive: bool = True
-    adaptive_floor: float = 0.03
-    adaptive_decay: float = 0.7  # EMA keep-factor of a template's p per group seen
-    # RL draws family B only, and its updates wore family A down (held-out A -0.05..-0.13 per seed):
-    # each update also takes an SFT term on ptx_rows packed family-A demonstration rows (InstructGPT's
-    # "PPO-ptx" mix), weighted by ptx_weight (0: off).
-    ptx_weight: float = 1.0
-    ptx_rows: int = 2
-    max_policy_lag: int = 1  # 1: the worker samples batch t+1 while batch t is graded and trained; 0: in turn
 
 
 class TemplateSampler:
@@ -323,11 +310,13 @@ def rl_update(
         ids[k, : len(r)] = torch.tensor(r)
         mask[k, len(r) - n : len(r)] = True
         rollout[k, len(r) - n : len(r)] = torch.tensor(g.logprobs, dtype=torch.float)
+    dev = device_of(model)
+    ids, mask, rollout = ids.to(dev), mask.to(dev), rollout.to(dev)
     model.train()
     out = model(ids)
     logp = torch.log_softmax(out.logits[:, :-1].float() / cfg.temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     m = mask[:, 1:]
-    adv_BS = torch.tensor(adv)[:, None].expand_as(logp)
+    adv_BS = torch.tensor(adv, device=dev)[:, None].expand_as(logp)
     pl_cfg = PolicyLossConfig(temperature=cfg.temperature)
     loss, pl = policy_loss(logp, logp.detach(), rollout[:, 1:], adv_BS, m, pl_cfg)
     loss = loss + out.indexer_loss
@@ -336,7 +325,7 @@ def rl_update(
         loss = loss + cfg.dspark_weight * ds.loss
     ptx_loss = None
     if ptx is not None:
-        p_ids, p_docs, p_mask = ptx
+        p_ids, p_docs, p_mask = (t.to(dev) for t in ptx)
         p_out = model(p_ids, p_docs)
         ptx_loss = sft_loss(p_out.logits, p_ids, p_mask)
         loss = loss + cfg.ptx_weight * (ptx_loss + p_out.indexer_loss)
@@ -374,7 +363,7 @@ def run_rl(
 
     if cfg.max_policy_lag not in (0, 1):
         raise ValueError(f"RLConfig.max_policy_lag={cfg.max_policy_lag}: the demo's worker supports 0 or 1")
-    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr))
+    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr, compile_muon=False))
     sampler = TemplateSampler(train, cfg, random.Random(seed))
     ptx_rng = random.Random(seed + 17)
     pad = template.tokenizer.eos_id
@@ -385,7 +374,7 @@ def run_rl(
     def more(k: int) -> bool:  # is step k within the step budget?
         return not cfg.steps or k < cfg.steps
 
-    with RolloutProcess(model.args, threads=worker_threads()) as worker:
+    with RolloutProcess(model.args, threads=worker_threads(), device=device_of(model)) as worker:
         worker.send_weights(0, model.state_dict())
         worker.wait_ready()  # the worker's start-up (a process, torch, the model) is not RL time
         t0 = time.perf_counter()

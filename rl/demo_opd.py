@@ -14,42 +14,16 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from model.chat_template import ChatTemplate
 from model.transformer import Transformer
 from rl.config import OptimConfig
+from rl.demo_config import OPDConfig
 from rl.losses import opd_reverse_kl, sft_loss
 from rl.optim import build_optimizer
 from synth.families import Instance
-
-# Half the teacher's width (dim and expert width); the layer schedule needs n_layers >= 4.
-STUDENT_OVERRIDES: dict = {"n_layers": 4, "hc_mult": 2, "dim": 64, "moe_inter_dim": 64}
-
-
-@dataclass
-class OPDConfig:
-    """Sizes from a sweep of 16 settings on the seed-0 SFT-only student (held-out A / B 0.475 / 0.250, the
-    RL'd teacher 0.600 / 0.430): OPD first costs family A and then wins it back as the reverse KL falls,
-    so steps count most: 15 steps of 16 prompts gave 0.40-0.42 / 0.26-0.34 at every learning rate tried,
-    40 steps of 8 prompts 0.47 / 0.32, 80 steps 0.485 / 0.43. AdamW lr 1e-3 on the embedding, head and
-    norms did worse than 1e-4 (0.42 / 0.31 against 0.47 / 0.32 at 40 steps); without the SFT term family
-    A fell further (0.36 against 0.42 at 15 steps)."""
-
-    seconds: float = 120.0  # wall-clock cap
-    steps: int = 0  # step budget (0: none)
-    prompts_per_step: int = 8  # fewer distinct prompts: fewer decode groups, more steps per second
-    samples: int = 2  # student samples per prompt
-    temperature: float = 1.0  # the student samples from its own distribution
-    share_b: float = 0.5  # share of prompts from family B (the rest from family A)
-    lr: float = 1e-4
-    muon_lr: float = 0.01
-    # SFT on ptx_rows packed family-A demonstration rows in every step (the demonstrations the SFT-only
-    # student keeps training on), weighted by ptx_weight (0: pure OPD)
-    ptx_weight: float = 1.0
-    ptx_rows: int = 2
 
 
 def _rows(prompts: list[list[int]], gens, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,12 +53,12 @@ def run_opd(
     like the demo's RL: a rollout worker process samples step t+1's answers with the student's current
     weights while this process trains on step t's (one version behind; the KL needs no importance
     weight, it is taken over the whole vocabulary at the visited positions)."""
-    from rl.demo_learning import demo_rows, prompt_ids
+    from rl.demo_learning import demo_rows, device_of, prompt_ids
     from rl.demo_rollout import RolloutProcess, worker_threads
 
-    opt = build_optimizer(student, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr))
+    opt = build_optimizer(student, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr, compile_muon=False))
     rng = random.Random(seed)
-    pad = template.tokenizer.eos_id
+    pad, dev = template.tokenizer.eos_id, device_of(student)
     teacher.eval()
     step, tokens, kls, version = 0, 0, [], 0
     gen_wait_s = train_s = worker_gen_s = 0.0
@@ -92,7 +66,7 @@ def run_opd(
     def more(k: int) -> bool:
         return not cfg.steps or k < cfg.steps
 
-    with RolloutProcess(student.args, threads=worker_threads()) as worker:
+    with RolloutProcess(student.args, threads=worker_threads(), device=dev) as worker:
 
         def submit(k: int) -> list[Instance]:
             n_b = round(cfg.prompts_per_step * cfg.share_b)
@@ -112,7 +86,7 @@ def run_opd(
                 queued.append(submit(step + 1))
             tb = time.perf_counter()
             prompts = [p for i in insts for p in [prompt_ids(template, i)] * cfg.samples]
-            ids, mask = _rows(prompts, gens, pad)
+            ids, mask = (t.to(dev) for t in _rows(prompts, gens, pad))
             with torch.no_grad():
                 t_logits = teacher(ids, compute_indexer_loss=False).logits
             student.train()
@@ -120,7 +94,7 @@ def run_opd(
             loss, D = opd_reverse_kl(out.logits[:, :-1], t_logits[:, :-1], mask[:, 1:])
             total = loss + out.indexer_loss
             if cfg.ptx_weight > 0:
-                p_ids, p_docs, p_mask = demo_rows(template, a_train, rng, cfg.ptx_rows)
+                p_ids, p_docs, p_mask = (t.to(dev) for t in demo_rows(template, a_train, rng, cfg.ptx_rows))
                 p_out = student(p_ids, p_docs)
                 total = total + cfg.ptx_weight * (sft_loss(p_out.logits, p_ids, p_mask) + p_out.indexer_loss)
             opt.zero_grad(set_to_none=True)

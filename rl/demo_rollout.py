@@ -25,15 +25,16 @@ from collections.abc import Mapping
 import torch
 
 
-def _serve(args, threads: int, requests, results) -> None:
-    """Child process: build the policy of `args`, then answer requests until None arrives."""
+def _serve(args, threads: int, device: str, tf32: bool, requests, results) -> None:
+    """Child process: build the policy of `args` on `device`, then answer requests until None arrives."""
     torch.set_num_threads(threads)
+    torch.backends.cuda.matmul.allow_tf32 = tf32  # the learner's matmul precision: sample what it trains
     from model.engine import InferenceEngine
     from rl.demo_learning import generate, policy_of_args
 
     model, template = policy_of_args(args)
     model.eval()
-    engine = InferenceEngine(model, template, max_sessions=64)
+    engine = InferenceEngine(model, template, max_sessions=64, device=device)
     parent = mp.parent_process()
     while True:
         try:
@@ -62,12 +63,15 @@ def _serve(args, threads: int, requests, results) -> None:
 class RolloutProcess:
     """`with RolloutProcess(model.args) as w: w.send_weights(v, state); w.submit(...); w.result()`.
 
-    Weights go as a cloned state dict (the learner keeps training its own tensors in place)."""
+    Weights go as a cloned state dict (the learner keeps training its own tensors in place). On a GPU
+    the clone stays on the device and the queue passes CUDA IPC handles (torch.multiprocessing's
+    reductions), so a version costs one device-to-device copy, not a trip through host memory."""
 
-    def __init__(self, args, threads: int = 1):
+    def __init__(self, args, threads: int = 1, device: str | torch.device = "cpu"):
         ctx = mp.get_context("spawn")  # fork after torch's thread pools start can deadlock
         self._requests, self._results = ctx.Queue(), ctx.Queue()
-        self._proc = ctx.Process(target=_serve, args=(args, threads, self._requests, self._results), daemon=True)
+        serve_args = (args, threads, str(device), torch.backends.cuda.matmul.allow_tf32, self._requests, self._results)
+        self._proc = ctx.Process(target=_serve, args=serve_args, daemon=True)
         self._pending: list[str] = []  # reply kinds still owed, in request order
         self.last_gen_s = 0.0  # the worker's generation time for the last job returned
 

@@ -20,40 +20,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.demo_learning import RLConfig, SFTConfig
-from rl.demo_opd import STUDENT_OVERRIDES, OPDConfig
-
-
-@dataclass(kw_only=True)
-class DemoConfig:
-    """Demo sizes and budgets. Each learning stage has a step budget sized for a quiet 2-core machine
-    and a wall-clock cap a little above it (`make demo` <= 20 minutes): on a quiet machine the steps
-    decide, so seeds compare; a loaded machine hits the caps (fewer steps; the summaries say so)."""
-
-    seed: int = 0
-    threads: int = 2
-    overrides: dict | None = None  # get_flavor("tiny", **overrides); None = rl.demo_learning.DEMO_OVERRIDES
-    student_overrides: dict = field(default_factory=lambda: dict(STUDENT_OVERRIDES))
-    n_train_a: int = 5000
-    n_train_b: int = 300
-    n_heldout: int = 200
-    # held-out prompts decoded speculatively to measure DSpark acceptance (24 in the README's runs; 16
-    # gives back ~15 s for margin under 20 minutes: the untrained policy always decodes all 16 tokens)
-    n_acceptance: int = 16
-    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=200, seconds=220.0))
-    # RL: 120 steps took 260-271 s on a quiet machine (seeds 1, 2); the cap was 280 s in the README's runs
-    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=120, seconds=270.0))
-    # The student: SFT alone (the SFT-only student), then OPD continues from its weights (the OPD
-    # student). The half-width student's SFT flattens: 100 s more SFT after 160 s measured 0.475 /
-    # 0.270 held-out A / B against 0.475 / 0.250 (seed 0, a loaded machine), so the comparison is OPD
-    # against SFT alone, not against a student stopped early. OPD gains with steps (rl/demo_opd.py)
-    # and is asynchronous like RL; with 120 s of SFT instead of 160 the student fell to 0.320 / 0.225
-    # (seed 0), so SFT keeps 150 s and OPD gets 120 s.
-    student_sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=330, seconds=150.0))
-    opd: OPDConfig = field(default_factory=lambda: OPDConfig(steps=90, seconds=120.0))
+from rl.demo_config import DemoConfig
 
 
 def _instances(run_dir: Path) -> dict:
@@ -94,7 +63,25 @@ def _progress(log: list[dict], every: int, line: Callable[[dict], str]) -> Calla
 
     return show
 
+def device(cfg: DemoConfig):
+    """The torch device of cfg.device ("auto": cuda when torch sees a GPU)."""
+    import torch
+
+    name = cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"demo.device={cfg.device} but torch sees no GPU here; use demo.device=cpu (or auto)")
+        # fp32 parameters (the optimiser's small steps survive), matmuls on TF32 tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return torch.device(name)
+
+
 def _policy(cfg: DemoConfig, checkpoint: Path | None, student: bool = False):
+    """The demo policy (or, with `student`, the OPD student at 1/cfg.student_shrink of its width) on
+    device(cfg), seeded, with `checkpoint`'s weights when given. Built and loaded on the CPU, then moved:
+    the model's fp32 parameters train the same way on either device."""
     import torch
 
     from model.checkpoint import load_checkpoint
@@ -102,10 +89,11 @@ def _policy(cfg: DemoConfig, checkpoint: Path | None, student: bool = False):
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    model, template, args = build_policy(cfg.student_overrides if student else cfg.overrides, seed=cfg.seed)
+    shrink = cfg.student_shrink if student else 1
+    model, template, _ = build_policy(cfg.overrides, seed=cfg.seed, flavor=cfg.flavor, shrink=shrink)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
-    return model, template
+    return model.to(device(cfg)), template
 
 
 def _pool():

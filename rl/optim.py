@@ -132,8 +132,8 @@ class FamilyOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p)
-        # torch.compile of muon_update costs seconds per shape on CPU; eager there.
-        stance = "force_eager" if p.device.type == "cpu" else "default"
+        # torch.compile of muon_update costs seconds per shape on CPU; eager there (and when asked).
+        stance = "force_eager" if p.device.type == "cpu" or not self.cfg.compile_muon else "default"
         with torch.compiler.set_stance(stance):
             u = muon_update(
                 p.grad.clone(), state["momentum_buffer"], beta=self.cfg.momentum, ns_steps=self.cfg.ns_steps,

@@ -19,12 +19,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rl.cluster import apply_local_env, shutdown, start_or_join
-from rl.config import to_job_config
+from rl.config import register_schemas, to_job_config
 from rl.stages import record_run
 
 # An absolute path: Hydra resolves a relative one against the calling module ("rl.train" -> package
 # "conf"), which fails when the installed `flashpost-train` script runs outside the repository root.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+register_schemas()  # typed nodes YAML pulls in by name (conf/experiment/demo.yaml: /schema/demo@demo)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

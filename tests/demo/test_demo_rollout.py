@@ -1,5 +1,6 @@
 """rl/demo_rollout.py: the demo's rollout worker process answers in request order with the weights of
-the last version sent before each job, and samples exactly what the same engine does in-process."""
+the last version sent before each job, and samples exactly what the same engine does in-process (on
+the CPU, and on a GPU where the weights travel as CUDA IPC handles)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,23 @@ from rl.demo_learning import build_policy, generate
 from rl.demo_rollout import RolloutProcess
 from synth.families import demo_splits
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    ),
+]
 
-def test_worker_uses_the_last_version_sent_before_each_job():
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_worker_uses_the_last_version_sent_before_each_job(device):
     torch.manual_seed(0)
     model, template, args = build_policy(seed=3)
+    model.to(device)
     insts = demo_splits(0, 2, 0)["B_train"]
     v0 = {k: v.clone() for k, v in model.state_dict().items()}
     v1 = {k: (v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v) for k, v in v0.items()}
-    with RolloutProcess(args) as worker:
+    with RolloutProcess(args, device=device) as worker:
         worker.send_weights(0, v0)
         worker.wait_ready()
         worker.submit(insts, 2, 1.0, seed=11)
@@ -30,7 +40,8 @@ def test_worker_uses_the_last_version_sent_before_each_job():
     for state, got in ((v0, first), (v1, second)):
         model.load_state_dict(state)
         model.eval()
-        want = generate(InferenceEngine(model, template, max_sessions=64), template, insts, 2, 1.0, seed=11)
+        engine = InferenceEngine(model, template, max_sessions=64, device=device)
+        want = generate(engine, template, insts, 2, 1.0, seed=11)
         assert [g.token_ids for g in got] == [g.token_ids for g in want]
         for a, b in zip(got, want):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)

@@ -9,9 +9,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rl.config import FactoryJobConfig, JobConfig, to_factory_config, to_job_config
+from rl.config import FactoryJobConfig, JobConfig, register_schemas, to_factory_config, to_job_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
+register_schemas()  # as the entry point does (rl/train.py)
 
 
 def _options(group: str) -> list[str]:
@@ -36,13 +37,38 @@ def test_train_combination_converts(model, trainer, env, cluster):
     cfg = _compose("train", [f"model={model}", f"trainer={trainer}", f"env={env}", f"cluster={cluster}"])
     job = to_job_config(cfg)
     assert isinstance(job, JobConfig)
-    assert job.model.flavor == model and job.trainer.kind == trainer
+    assert job.model.flavor == OmegaConf.load(CONF / "model" / f"{model}.yaml").flavor and job.trainer.kind == trainer
 
 
 @pytest.mark.parametrize("experiment", _options("experiment"))
 def test_experiments_convert(experiment):
     job = to_job_config(_compose("train", [f"experiment={experiment}"]))
     assert isinstance(job, JobConfig)
+
+
+def test_demo_follows_model_and_seed_and_types_its_budgets():
+    """experiment=demo: the demo policy is `model:` (swappable), its seed trainer.seed, every DemoConfig
+    field is overridable and type-checked; a flavor sized for the released tokenizer is fitted to the
+    shipped one (rl.demo_learning.demo_args)."""
+    from hydra.errors import ConfigCompositionException
+
+    from model.config import get_flavor
+    from rl.demo_learning import demo_args
+
+    job = to_job_config(_compose("train", ["experiment=demo"]))
+    demo = job.demo
+    assert (job.entry, demo.flavor, demo.overrides, demo.seed) == ("demo", "tiny", {"n_layers": 4, "hc_mult": 2}, 0)
+    assert job.demo.rl.steps == 120 and job.demo.device == "auto"  # DemoConfig's defaults, not repeated in YAML
+    overrides = ["experiment=demo", "model=small", "trainer.seed=3", "demo.rl.seconds=5", "demo.device=cpu"]
+    job = to_job_config(_compose("train", overrides))
+    assert (job.demo.flavor, job.demo.overrides, job.demo.seed, job.demo.rl.seconds) == ("small", {}, 3, 5.0)
+    args = demo_args(job.demo.flavor, job.demo.overrides)
+    assert args.dim == get_flavor("small").dim and args.vocab_size == get_flavor("tiny").vocab_size
+    assert demo_args(job.demo.flavor, job.demo.overrides, shrink=2).dim == args.dim // 2
+    with pytest.raises(ConfigCompositionException, match="demo.rl.seconds"):  # typed at composition
+        _compose("train", ["experiment=demo", "demo.rl.seconds=soon"])
+    with pytest.raises(ValueError, match="demo.device"):
+        to_job_config(_compose("train", ["experiment=demo", "demo.device=tpu"]))
 
 
 def test_factory_converts():

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The demo pipeline (`flashpost-train experiment=demo`) with `model=small` on the lent H200.
+#
+# Run from the repo root on the GPU host, in calls made back to back (the machine is handed back
+# after 30 s idle), carrying the git-ignored bundles once each while it stays warm:
+#   1. carry .gpu-docker-image   (infra/gpu/docker_bundle.sh: the sandbox base image)
+#   2. carry .gpu-docker         `bash infra/gpu/start_docker.sh` (engine up, image loaded)
+#   3. carry .whl                `bash infra/gpu/run_demo_small.sh`  (../shared/tools/gpu-wheels.sh: Ray,
+#                                Hydra, DeepSpeed for Python 3.12)
+#   4. (if 3 hit the call limit) `bash infra/gpu/run_demo_small.sh` again: the stages resume.
+# What it does: installs .whl into /tmp/site once, starts (or confirms) the Docker engine, runs the
+# demo into $RUN_DIR (default /tmp/demo-small, outside the copied tree so a later call finds it) for at
+# most $DEMO_TIMEOUT_S seconds, then copies every stage's done.json, the log and report/ to $OUT.
+# The stage budgets below are wall-clock caps for one H200 (step budgets off) that fit two calls of the
+# lent machine; 48 held-out instances per family, because the engine's decode of `small` is launch-bound
+# (~0.1 s per forward) and held-out prompts of distinct lengths decode as separate forwards. Extra
+# arguments are Hydra overrides (e.g. demo.rl.seconds=200).
+set -uo pipefail
+ROOT=$(pwd)
+SITE=${GPU_DOCKER_SITE:-/tmp/site}
+RUN_DIR=${RUN_DIR:-/tmp/demo-small}
+OUT=${OUT:-/tmp/demo-small-out}
+mkdir -p "$SITE" "$RUN_DIR" "$OUT"
+say() { echo "[run_demo_small] $*" >&2; }
+
+if [[ -d .whl && ! -f $SITE/.whl-installed ]]; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
+        && touch "$SITE/.whl-installed" || { say "installing .whl failed"; exit 1; }
+fi
+python3 -c "import hydra, ray" 2>/dev/null || PYTHONPATH=$SITE python3 -c "import hydra, ray" \
+    || { say "no Ray/Hydra: carry .whl (bash ../shared/tools/gpu-wheels.sh builds it)"; exit 1; }
+GPU_DOCKER_SMOKE=0 bash infra/gpu/start_docker.sh || { say "Docker engine did not start"; exit 1; }
+
+export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
+t0=$(date +%s)
+timeout -s INT -k 30 "${DEMO_TIMEOUT_S:-540}" python3 -m rl.train experiment=demo model=small cluster=h200 \
+    run_dir="$RUN_DIR" demo.n_heldout=48 demo.n_acceptance=4 \
+    demo.sft.steps=0 demo.sft.seconds=90 \
+    demo.rl.steps=0 demo.rl.seconds=100 \
+    demo.student_sft.steps=0 demo.student_sft.seconds=45 \
+    demo.opd.steps=0 demo.opd.seconds=50 demo.opd.prompts_per_step=4 demo.opd.samples=4 \
+    "$@" 2>&1 | tee -a "$RUN_DIR/demo.log"
+rc=${PIPESTATUS[0]}
+say "demo exit code $rc after $(( $(date +%s) - t0 )) s (124: the time limit; run again to resume)"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader >&2 || true
+( cd "$RUN_DIR" && find . -name done.json -o -name demo.log -o -path './report/*' -o -name config.resolved.yaml ) \
+    | while read -r f; do mkdir -p "$OUT/$(dirname "$f")"; cp "$RUN_DIR/$f" "$OUT/$f"; done
+exit "$rc"
