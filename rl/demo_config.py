@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The recommended demo policy: `tiny` with 4 layers and 2 mHC streams (the V4.1 parts stay on), as
+# conf/model/tiny_demo.yaml gives it to `make demo`.
+DEMO_OVERRIDES: dict = {"n_layers": 4, "hc_mult": 2}
+
 
 @dataclass
 class SFTConfig:
@@ -90,7 +94,7 @@ class DemoConfig:
     seed: int = 0  # experiment=demo sets it from trainer.seed
     # the demo policy: model.config.get_flavor(flavor, **overrides); experiment=demo sets both from `model:`
     flavor: str = "tiny"
-    overrides: dict = field(default_factory=lambda: {"n_layers": 4, "hc_mult": 2})
+    overrides: dict = field(default_factory=lambda: dict(DEMO_OVERRIDES))
     device: str = "auto"  # "auto": cuda when torch sees a GPU, else cpu
     threads: int = 2  # torch CPU threads of the learner (the rollout worker takes half the cores)
     # The student: the policy at 1/student_shrink of its width (dim and moe_inter_dim)

@@ -32,15 +32,12 @@ from model.engram import EngramHasher
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from rl.config import OptimConfig, PolicyLossConfig
-from rl.demo_config import RLConfig, SFTConfig
+from rl.demo_config import DEMO_OVERRIDES, RLConfig, SFTConfig
 from rl.demo_dspark import dspark_train_term
 from rl.losses import policy_loss, sft_loss
 from rl.optim import build_optimizer
 from synth.families import Instance, apply_action, module_path
 
-# The recommended demo policy: `tiny` with 4 layers and 2 mHC streams (the V4.1 parts stay on);
-# conf/model/tiny_demo.yaml, what `make demo` trains.
-DEMO_OVERRIDES: dict = {"n_layers": 4, "hc_mult": 2}
 MAX_ACTION_TOKENS = 16
 GRADE_TIMEOUT_S = 0.5
 

@@ -160,7 +160,7 @@ def make_report(run_dir: Path, out_dir: Path) -> dict:
     if tput:
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
         ax.barh([t[0] for t in tput], [t[1] for t in tput])
-        ax.set(xlabel="tokens/s (2 CPU threads)", title="Throughput per stage")
+        ax.set(xlabel="tokens/s", title=f"Throughput per stage ({_device(evals)})")
         _save(fig, out_dir, "tokens_per_s.png", files)
         plt.close(fig)
     timed = {n: s for n, s in stages.items() if s}
@@ -179,8 +179,13 @@ def make_report(run_dir: Path, out_dir: Path) -> dict:
     }
 
 
+def _device(evals: dict) -> str:
+    """Where the policy ran (eval summaries record it; older runs: 2 CPU threads)."""
+    return next((e["device"] for e in evals.values() if e.get("device")), "cpu, 2 threads")
+
+
 def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[str]) -> list[str]:
-    lines = ["# flashpost demo report", "", f"Run folder: `{run_dir.resolve()}`", ""]
+    lines = ["# flashpost demo report", "", f"Run folder: `{run_dir.resolve()}`; device: {_device(evals)}", ""]
     if evals:
         lines += [
             "## Held-out pass@1 (greedy, real grading)",

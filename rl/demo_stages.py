@@ -117,7 +117,10 @@ def eval_stage(
 
     sets, tasks = _instances(run_dir), _tasks(run_dir)
     model, template = _policy(cfg, run_dir / checkpoint if checkpoint else None, student=student)
-    out = {"params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))}
+    out = {
+        "params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp.")),
+        "device": str(device(cfg)) if device(cfg).type == "cuda" else f"cpu, {cfg.threads} threads",
+    }
     with _pool() as pool:
         for fam in ("A", "B"):
             r = evaluate(model, template, sets[f"{fam}_heldout"], tasks, pool)
