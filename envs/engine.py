@@ -48,6 +48,11 @@ class PathNotFound(FileNotFoundError):
     """A path given to put_archive/get_archive does not exist in the container."""
 
 
+class ContainerGone(RuntimeError):
+    """The container is no longer running (its init exited, was OOM-killed, or it was removed);
+    the message says why (status, exit code, OOMKilled, the engine's error)."""
+
+
 def owner_id() -> str:
     """This process's owner label value; reapers use it to spot containers of dead owners."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -239,6 +244,63 @@ def container_running(container_id: str) -> bool:
         return False
 
 
+# How long an exec (or kill_processes) waits for a container the engine reports as paused.
+PAUSED_WAIT_S = 10.0
+
+
+def _state(container_id: str) -> dict:
+    try:
+        return client().api.inspect_container(container_id)["State"]
+    except docker.errors.NotFound as e:
+        raise ContainerGone(f"container {container_id[:12]} no longer exists (removed)") from e
+
+
+def _not_running_reason(container_id: str, state: dict) -> str:
+    why = (f"container {container_id[:12]} is not running: status {state.get('Status')!r}, "
+           f"exit code {state.get('ExitCode')}, OOMKilled={state.get('OOMKilled')}")
+    if state.get("Error"):
+        why += f", error {state['Error']!r}"
+    return why + f", finished at {state.get('FinishedAt')}"
+
+
+def wait_until_running(container_id: str, timeout: float = PAUSED_WAIT_S) -> None:
+    """Return once the engine reports the container running and not paused.
+
+    Raises ContainerGone (saying why: exit code, OOMKilled, ...) if it stopped, TimeoutError if
+    it is still paused after `timeout` s. Note the engine's Paused flag can flip back to true for
+    a moment after an unpause has returned (see kill_processes), so callers that need the
+    container unpaused for an API call retry on 409 as well (_retry_while_paused).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        state = _state(container_id)
+        if not state.get("Running") or state.get("Dead"):  # Running stays true while paused
+            raise ContainerGone(_not_running_reason(container_id, state))
+        if not state.get("Paused") and not state.get("Restarting"):
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"container {container_id[:12]} is still {state.get('Status')!r} "
+                               f"after {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def _retry_while_paused(container_id: str, call):
+    """`call()`, retried while the engine answers 409 Conflict because the container is paused
+    (for at most PAUSED_WAIT_S); ContainerGone if the conflict is that it is not running."""
+    deadline = time.monotonic() + PAUSED_WAIT_S
+    while True:
+        try:
+            return call()
+        except docker.errors.APIError as e:
+            if e.status_code != 409:
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            wait_until_running(container_id, timeout=left)
+            time.sleep(0.01)
+
+
 class Attached:
     """Line-oriented stdin/stdout of a container's main process (started with stdin_open).
 
@@ -310,18 +372,32 @@ def get_archive(container_id: str, path: str) -> bytes:
 
 
 def exec_create(container_id: str, argv: list[str], *, user: str, workdir: str, env: dict[str, str]) -> str:
-    return client().api.exec_create(container_id, argv, user=user, workdir=workdir, environment=env,
-                                    stdout=True, stderr=True, stdin=False, tty=False)["Id"]
+    """Create (not start) an exec. Waits out a paused container (up to PAUSED_WAIT_S; see
+    kill_processes for why one can look paused right after an unpause); raises ContainerGone,
+    with the reason, if the container is not running."""
+    return _retry_while_paused(container_id, lambda: client().api.exec_create(
+        container_id, argv, user=user, workdir=workdir, environment=env,
+        stdout=True, stderr=True, stdin=False, tty=False))["Id"]
 
 
-def exec_stream(exec_id: str) -> Iterator[bytes]:
-    """Output chunks (stdout and stderr interleaved) until the exec's streams close."""
-    return client().api.exec_start(exec_id, stream=True, demux=False)
+def exec_stream(exec_id: str, container_id: str | None = None) -> Iterator[bytes]:
+    """Output chunks (stdout and stderr interleaved) until the exec's streams close. Given the
+    container, a start refused with 409 because it is paused is retried like exec_create."""
+    start = lambda: client().api.exec_start(exec_id, stream=True, demux=False)  # noqa: E731
+    return start() if container_id is None else _retry_while_paused(container_id, start)
 
 
 def exec_exit_code(exec_id: str) -> int | None:
     info = client().api.exec_inspect(exec_id)
     return None if info["Running"] else info["ExitCode"]
+
+
+def exec_never_started(exec_id: str) -> bool:
+    """True if the engine refused to start this exec (no process, no exit code). The refusal
+    (e.g. "Container ... is paused, unpause the container before exec") is then the only text
+    on its stream, since the engine has already answered 200 when it checks the container."""
+    info = client().api.exec_inspect(exec_id)
+    return not info["Running"] and info["ExitCode"] is None and not info.get("Pid")
 
 
 def kill_processes(container_id: str, *, env_marker: str | None = None) -> int:
@@ -333,6 +409,13 @@ def kill_processes(container_id: str, *, env_marker: str | None = None) -> int:
     here, then thawed. A fork storm can defeat the freezer; then targets are SIGSTOPped in rounds
     until none runs (a stopped process cannot fork) and only then killed. Needs the engine on
     this host (same PID namespace); otherwise falls back to an exec of `kill -9 -1` as agent.
+
+    Returns only once the engine reports the container running and unpaused (ContainerGone,
+    with the reason, if its init died). Even then the engine may still report it paused for a
+    moment: it also applies the runtime's asynchronous "paused"/"resumed" events to its state,
+    and under load the "paused" event of this pause can land after the unpause returned
+    (events: pause, unpause, pause, unpause). exec_create (and Sandbox.exec, for a refused
+    exec start) wait that out; _unpause handles the mirror case ("not paused" while frozen).
     """
     api = client().api
     init_pid = api.inspect_container(container_id)["State"]["Pid"]
@@ -365,7 +448,7 @@ def kill_processes(container_id: str, *, env_marker: str | None = None) -> int:
     try:
         api.pause(container_id)
         frozen = True
-    except docker.errors.APIError:
+    except docker.errors.APIError:  # freezing failed (runc thaws again), or already paused
         frozen = False
     try:
         if frozen:
@@ -382,8 +465,61 @@ def kill_processes(container_id: str, *, env_marker: str | None = None) -> int:
         signal_all(victims, signal.SIGKILL)
     finally:
         if frozen:
-            api.unpause(container_id)
+            _unpause(container_id, init_pid)
+    wait_until_running(container_id)
     return len(victims)
+
+
+def _freezer_state(pid: int) -> str | None:
+    """The kernel's freezer state of `pid`'s cgroup ("THAWED", "FREEZING", "FROZEN"), read from
+    the host's cgroupfs (v1 freezer or v2 cgroup.events); None where it cannot be read."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if "freezer" in controllers.split(","):
+                return (Path("/sys/fs/cgroup/freezer") / path.lstrip("/") / "freezer.state").read_text().strip()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                events = (Path("/sys/fs/cgroup") / path.lstrip("/") / "cgroup.events").read_text().split()
+                return "FROZEN" if events[events.index("frozen") + 1] == "1" else "THAWED"
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _unpause(container_id: str, init_pid: int) -> None:
+    """Unpause a container this process paused. The engine answers 409 "not paused" when a late
+    "resumed" event of an earlier pause/unpause was applied after our pause: the container is
+    still frozen and the engine will mark it paused again once our own "paused" event lands, so
+    wait for that (the cgroup says whether it is really frozen, where readable) and retry."""
+    deadline = time.monotonic() + PAUSED_WAIT_S
+    not_paused_since = None
+    while True:
+        try:
+            client().api.unpause(container_id)
+            return
+        except docker.errors.NotFound:
+            return  # removed meanwhile; the caller's wait_until_running says so
+        except docker.errors.APIError as e:
+            if e.status_code != 409:
+                raise
+            state = _state(container_id)
+            if not state.get("Running"):
+                return
+            freezer = _freezer_state(init_pid)
+            if not state.get("Paused"):
+                if freezer == "THAWED":
+                    return
+                now = time.monotonic()
+                not_paused_since = not_paused_since or now
+                if freezer is None and now - not_paused_since > 1.0:
+                    return  # cannot see the cgroup; the engine has said "not paused" for a while
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"could not unpause container {container_id[:12]} within "
+                                   f"{PAUSED_WAIT_S:.0f} s (freezer {freezer}): {e.explanation}") from e
+            time.sleep(0.02)
 
 
 def list_containers(labels: dict[str, str | None]) -> list[dict]:

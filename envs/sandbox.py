@@ -157,23 +157,43 @@ class Sandbox:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         argv = ["bash", "-c", cmd + "\n", "bash"] if isinstance(cmd, str) else list(cmd)
-        marker = uuid.uuid4().hex
-        full_env = {**(env or {}), "FLASHPOST_EXEC": marker}
         wrapped = ["timeout", "-s", "KILL", f"{timeout:.3f}s", *argv]
         run_user = user or AGENT_USER
+        refused_until = time.monotonic() + engine.PAUSED_WAIT_S
+        while True:
+            result, exec_id = self._exec_once(wrapped, timeout=timeout, workdir=workdir, env=env,
+                                              user=run_user, max_output_bytes=max_output_bytes)
+            # exec_create/exec_stream wait out a 409 "paused", but the engine checks once more
+            # after it has answered 200 to the start, so a refusal can also come back as the
+            # stream's only text, with no process and no exit code. A container that stopped
+            # raises ContainerGone saying why; one that only looked paused (see
+            # engine.kill_processes) gets the exec again.
+            if result.exit_code is not None or result.timed_out or not engine.exec_never_started(exec_id):
+                return result
+            engine.wait_until_running(self.container_id, timeout=max(refused_until - time.monotonic(), 0.0))
+            if "paused" not in result.output or time.monotonic() >= refused_until:
+                return result
+
+    def _exec_once(self, wrapped: list[str], *, timeout: float, workdir: str | None,
+                   env: dict[str, str] | None, user: str, max_output_bytes: int) -> tuple[ExecResult, str]:
+        marker = uuid.uuid4().hex
+        full_env = {**(env or {}), "FLASHPOST_EXEC": marker}
         t0 = time.monotonic()
-        exec_id = engine.exec_create(self.container_id, wrapped, user=run_user,
+        exec_id = engine.exec_create(self.container_id, wrapped, user=user,
                                      workdir=workdir or self.workdir, env=full_env)
         buf = _CappedBuffer(max_output_bytes)
         flooded = threading.Event()
+        gone: list[engine.ContainerGone] = []
 
         def pump() -> None:
             try:
-                for chunk in engine.exec_stream(exec_id):
+                for chunk in engine.exec_stream(exec_id, self.container_id):
                     buf.add(chunk)
                     if buf.total > FLOOD_BYTES and not flooded.is_set():
                         flooded.set()
                         self._kill_marked(marker)
+            except engine.ContainerGone as e:  # it could not even start: say why
+                gone.append(e)
             except Exception:  # stream torn down (container removed): keep what we have
                 pass
 
@@ -184,6 +204,8 @@ class Sandbox:
         if guard_fired:
             self._kill_marked(marker)
             reader.join(GUARD_GRACE_S)
+        if gone:
+            raise gone[0]
         duration = time.monotonic() - t0
         exit_code = None if reader.is_alive() else engine.exec_exit_code(exec_id)
         timed_out = guard_fired or (exit_code == 137 and duration >= timeout * 0.98 and not flooded.is_set())
@@ -194,7 +216,7 @@ class Sandbox:
             output += f"\n[killed: more than {FLOOD_BYTES} bytes of output]\n"
         return ExecResult(exit_code=None if timed_out else exit_code, output=output,
                           timed_out=timed_out, truncated=truncated or flooded.is_set(),
-                          duration_s=duration)
+                          duration_s=duration), exec_id
 
     def _kill_marked(self, marker: str) -> None:
         # Best effort: if the container itself is gone there is nothing left to kill.
