@@ -63,6 +63,7 @@ def _progress(log: list[dict], every: int, line: Callable[[dict], str]) -> Calla
 
     return show
 
+
 def device(cfg: DemoConfig):
     """The torch device of cfg.device ("auto": cuda when torch sees a GPU)."""
     import torch
