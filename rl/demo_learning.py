@@ -67,10 +67,13 @@ def build_policy(
     return model, template, args
 
 
-def policy_of_args(args: ModelArgs, seed: int = 0) -> tuple[Transformer, ChatTemplate]:
+def policy_of_args(args: ModelArgs, seed: int | None = 0) -> tuple[Transformer, ChatTemplate]:
+    """The policy of `args` with seeded weights; seed None leaves them uninitialised, for a model whose
+    every weight is loaded (strictly) before use, like the rollout worker's."""
     tok = Tokenizer.default()
     model = Transformer(args, engram_hasher=EngramHasher(args, tok) if args.engram_layer_ids else None)
-    model.init_weights(seed=seed)
+    if seed is not None:
+        model.init_weights(seed=seed)
     return model, ChatTemplate(tok)
 
 
@@ -114,6 +117,21 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int
     return ids, docs, mask
 
 
+def demo_optimizer(model: Transformer, lr: float, muon_lr: float):
+    """The demo's optimiser (rl.optim's families; AdamW and Sinkhorn at `lr`, Muon at `muon_lr`). Muon
+    runs eager: compiling it per matrix shape on a GPU would eat a minutes-long stage."""
+    return build_optimizer(model, OptimConfig(lr=lr, sinkhorn_lr=lr, muon_lr=muon_lr, compile_muon=False))
+
+
+def demo_sft_term(model: Transformer, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    """(SFT loss + indexer term, SFT loss) of `model` on packed demonstration rows (ids, doc ids, loss
+    mask, e.g. from demo_rows), moved to its device: the family-A term of RL and OPD updates."""
+    ids, docs, mask = (t.to(device_of(model)) for t in rows)
+    out = model(ids, docs)
+    sft = sft_loss(out.logits, ids, mask)
+    return sft + out.indexer_loss, sft
+
+
 def demo_rows(template: ChatTemplate, demos: list[Instance], rng: random.Random, rows: int, seq_len: int = 256):
     """`rows` packed rows of demonstrations drawn from `demos`: (ids, doc ids, loss mask), as SFT packs them."""
     examples = [sft_example(template, i) for i in rng.sample(demos, 6 * rows)]  # ~3 fit a 256-token row
@@ -128,7 +146,7 @@ def run_sft(
     log: Callable[[dict], None] = print,
 ) -> dict:
     """SFT for cfg.steps steps (at most cfg.seconds of wall time) on batches drawn by make_batch(step)."""
-    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr, compile_muon=False))
+    opt = demo_optimizer(model, cfg.lr, cfg.muon_lr)
     model.train()
     pad, dev = template.tokenizer.eos_id, device_of(model)
     t0, step, tokens, losses, accept = time.perf_counter(), 0, 0, [], []
@@ -322,10 +340,8 @@ def rl_update(
         loss = loss + cfg.dspark_weight * ds.loss
     ptx_loss = None
     if ptx is not None:
-        p_ids, p_docs, p_mask = (t.to(dev) for t in ptx)
-        p_out = model(p_ids, p_docs)
-        ptx_loss = sft_loss(p_out.logits, p_ids, p_mask)
-        loss = loss + cfg.ptx_weight * (ptx_loss + p_out.indexer_loss)
+        ptx_total, ptx_loss = demo_sft_term(model, ptx)
+        loss = loss + cfg.ptx_weight * ptx_total
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -360,7 +376,7 @@ def run_rl(
 
     if cfg.max_policy_lag not in (0, 1):
         raise ValueError(f"RLConfig.max_policy_lag={cfg.max_policy_lag}: the demo's worker supports 0 or 1")
-    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr, compile_muon=False))
+    opt = demo_optimizer(model, cfg.lr, cfg.muon_lr)
     sampler = TemplateSampler(train, cfg, random.Random(seed))
     ptx_rng = random.Random(seed + 17)
     pad = template.tokenizer.eos_id

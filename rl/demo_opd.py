@@ -19,10 +19,8 @@ import torch
 
 from model.chat_template import ChatTemplate
 from model.transformer import Transformer
-from rl.config import OptimConfig
 from rl.demo_config import OPDConfig
-from rl.losses import opd_reverse_kl, sft_loss
-from rl.optim import build_optimizer
+from rl.losses import opd_reverse_kl
 from synth.families import Instance
 
 
@@ -53,14 +51,14 @@ def run_opd(
     like the demo's RL: a rollout worker process samples step t+1's answers with the student's current
     weights while this process trains on step t's (one version behind; the KL needs no importance
     weight, it is taken over the whole vocabulary at the visited positions)."""
-    from rl.demo_learning import demo_rows, device_of, prompt_ids
+    from rl.demo_learning import demo_optimizer, demo_rows, demo_sft_term, device_of, prompt_ids
     from rl.demo_rollout import RolloutProcess, worker_threads
 
-    opt = build_optimizer(student, OptimConfig(lr=cfg.lr, sinkhorn_lr=cfg.lr, muon_lr=cfg.muon_lr, compile_muon=False))
+    opt = demo_optimizer(student, cfg.lr, cfg.muon_lr)
     rng = random.Random(seed)
     pad, dev = template.tokenizer.eos_id, device_of(student)
     teacher.eval()
-    step, tokens, kls, version = 0, 0, [], 0
+    step, tokens, kls = 0, 0, []
     gen_wait_s = train_s = worker_gen_s = 0.0
 
     def more(k: int) -> bool:
@@ -91,17 +89,15 @@ def run_opd(
                 t_logits = teacher(ids, compute_indexer_loss=False).logits
             student.train()
             out = student(ids)
-            loss, D = opd_reverse_kl(out.logits[:, :-1], t_logits[:, :-1], mask[:, 1:])
+            loss, _ = opd_reverse_kl(out.logits[:, :-1], t_logits[:, :-1], mask[:, 1:])
             total = loss + out.indexer_loss
             if cfg.ptx_weight > 0:
-                p_ids, p_docs, p_mask = (t.to(dev) for t in demo_rows(template, a_train, rng, cfg.ptx_rows))
-                p_out = student(p_ids, p_docs)
-                total = total + cfg.ptx_weight * (sft_loss(p_out.logits, p_ids, p_mask) + p_out.indexer_loss)
+                ptx_total, _ = demo_sft_term(student, demo_rows(template, a_train, rng, cfg.ptx_rows))
+                total = total + cfg.ptx_weight * ptx_total
             opt.zero_grad(set_to_none=True)
             total.backward()
             opt.step()
-            version += 1
-            worker.send_weights(version, student.state_dict())
+            worker.send_weights(step + 1, student.state_dict())  # version k: the weights after k steps
             tc = time.perf_counter()
             gen_wait_s, train_s = gen_wait_s + tb - ta, train_s + tc - tb
             kls.append(float(loss.detach()))

@@ -32,7 +32,7 @@ def _serve(args, threads: int, device: str, tf32: bool, requests, results) -> No
     from model.engine import InferenceEngine
     from rl.demo_learning import generate, policy_of_args
 
-    model, template = policy_of_args(args)
+    model, template = policy_of_args(args, seed=None)  # every weight arrives (strictly) before any job
     model.eval()
     engine = InferenceEngine(model, template, max_sessions=64, device=device)
     parent = mp.parent_process()

@@ -114,13 +114,14 @@ def eval_stage(
     """Greedy held-out pass@1 on families A and B; with `acceptance`, also the DSpark drafter's
     acceptance in real speculative decoding of cfg.n_acceptance held-out prompts."""
     from rl.demo_dspark import speculative_acceptance
-    from rl.demo_learning import evaluate
+    from rl.demo_learning import device_of, evaluate
 
     sets, tasks = _instances(run_dir), _tasks(run_dir)
     model, template = _policy(cfg, run_dir / checkpoint if checkpoint else None, student=student)
+    dev = device_of(model)
     out = {
         "params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp.")),
-        "device": str(device(cfg)) if device(cfg).type == "cuda" else f"cpu, {cfg.threads} threads",
+        "device": str(dev) if dev.type == "cuda" else f"cpu, {cfg.threads} threads",
     }
     with _pool() as pool:
         for fam in ("A", "B"):

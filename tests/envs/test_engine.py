@@ -119,12 +119,11 @@ def test_exec_create_gives_up_on_a_container_that_stays_paused(fake_api, monkeyp
         engine.exec_create("c" * 64, ["true"], user="agent", workdir="/", env={})
 
 
-def test_unpause_retries_while_a_late_resume_event_hides_the_pause(fake_api, monkeypatch):
+def test_unpause_retries_while_a_late_resume_event_hides_the_pause(fake_api):
     # Our pause froze it, then a late "resumed" event of an earlier cycle cleared the engine's
     # flag: unpause says "not paused" until our own "paused" event lands; then it must unpause.
-    monkeypatch.setattr(engine, "_freezer_state", lambda pid: "FROZEN")
     api = fake_api(_FakeAPI([RUNNING, PAUSED], unpause_conflicts=2))
-    engine._unpause("c" * 64, init_pid=1)
+    engine._unpause("c" * 64)
     assert api.calls.count("unpause") == 3
 
 
