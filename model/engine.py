@@ -27,7 +27,7 @@ fake-quantised tensors. `cache_bytes` reports the packed size either way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -352,19 +352,22 @@ class InferenceEngine:
         stop_ids: Sequence[int] | None = None,
         stop_strings: Sequence[str] = (),
         seed: int | Sequence[int] | None = None,
+        stop_when: Callable[[str], bool] | None = None,
     ) -> list[Generation]:
         """Generate up to `max_new_tokens` per session, all sessions advancing together.
 
         A session stops at the first generated id in `stop_ids` (default: the template's stop ids;
-        pass () for none) or once its decoded generated text contains a stop string; the stopping
-        token is kept. Sampling per `model.sampling.sample`; `seed` is one int per session or one int
-        from which session k of this call derives its own generator, so a session's draws do not
-        depend on which other sessions share the call (None: seeds from torch's global RNG).
+        pass () for none), once its decoded generated text contains a stop string, or once
+        `stop_when(text)` holds (a caller's test that the answer can no longer be useful; `stop` is
+        then None); the stopping token is kept. Sampling per `model.sampling.sample`; `seed` is one
+        int per session or one int from which session k of this call derives its own generator, so a
+        session's draws do not depend on which other sessions share the call (None: seeds from
+        torch's global RNG).
         """
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
-        if stop_strings and self.tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer")
+        if (stop_strings or stop_when) and self.tokenizer is None:
+            raise ValueError("stop_strings and stop_when need a tokenizer")
         sessions = [self._get(i) for i in session_ids]
         stops = set(self.default_stop_ids if stop_ids is None else stop_ids)
         gens = self._generators(seed, len(sessions))
@@ -384,11 +387,13 @@ class InferenceEngine:
                 out.token_ids.append(tok)
                 out.logprobs.append(lp)
                 out.policy_versions.append(s.next_version)
-                if stop_strings:
+                if stop_strings or stop_when:
                     out.text = self.tokenizer.decode(out.token_ids)
                 hit = tok if tok in stops else next((x for x in stop_strings if x in out.text), None)
                 if hit is not None:
                     out.finish_reason, out.stop = "stop", hit
+                elif stop_when is not None and stop_when(out.text):
+                    out.finish_reason = "stop"
                 elif len(out.token_ids) < max_new_tokens and len(s.token_ids) < self.max_seq_len:
                     still.append(i)
             active = still

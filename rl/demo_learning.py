@@ -36,7 +36,7 @@ from rl.demo_config import DEMO_OVERRIDES, RLConfig, SFTConfig
 from rl.demo_dspark import dspark_train_term
 from rl.losses import policy_loss, sft_loss
 from rl.optim import build_optimizer
-from synth.families import Instance, apply_action, module_path
+from synth.families import Instance, action_ruled_out, apply_action, module_path
 
 MAX_ACTION_TOKENS = 16
 GRADE_TIMEOUT_S = 0.5
@@ -199,8 +199,10 @@ def generate(
     temperature: float,
     seed: int,
     chunk: int = 32,
+    stop_when: Callable[[str], bool] | None = None,
 ):
-    """n generations per instance (token ids, logprobs, text) in engine batches of <= chunk sessions."""
+    """n generations per instance (token ids, logprobs, text) in engine batches of <= chunk sessions;
+    `stop_when` as in InferenceEngine.generate."""
     prompts = [prompt_ids(template, inst) for inst in insts]
     # equal-length prompts prefill and decode as one batch in the engine: order jobs by length
     jobs = sorted(((i, k) for i in range(len(insts)) for k in range(n)), key=lambda j: len(prompts[j[0]]))
@@ -209,7 +211,9 @@ def generate(
         part = jobs[lo : lo + chunk]
         sids = [engine.start(prompts[i]) for i, _ in part]
         try:
-            gens = engine.generate(sids, MAX_ACTION_TOKENS, temperature=temperature, seed=seed + lo)
+            gens = engine.generate(
+                sids, MAX_ACTION_TOKENS, temperature=temperature, seed=seed + lo, stop_when=stop_when
+            )  # fmt: skip
         finally:
             for s in sids:
                 engine.close(s)
@@ -219,7 +223,14 @@ def generate(
 
 
 def action_of(template: ChatTemplate, gen) -> str:
-    return template.parse_assistant(gen.token_ids).content
+    """The answer: the generated text before the first end tag, as is. The demo's answers are bare
+    actions (no reasoning or tool-call blocks to parse out), which is what makes a prefix that
+    `action_ruled_out` rejects final."""
+    names = template.tokenizer.special_tokens
+    text = template.tokenizer.decode(list(gen.token_ids))
+    for tag in (names["end"], names["eos"]):
+        text = text.split(tag, 1)[0]
+    return text
 
 
 def reward_files(inst: Instance, action: str) -> tuple[dict[str, str] | None, str]:
@@ -252,10 +263,11 @@ def grade_actions(pairs: list[tuple[Instance, str]], tasks: dict, pool) -> tuple
 
 
 def evaluate(model: Transformer, template: ChatTemplate, insts: list[Instance], tasks: dict, pool) -> dict:
-    """Greedy pass@1 on held-out instances, graded by the real grader."""
+    """Greedy pass@1 on held-out instances, graded by the real grader. An answer stops as soon as
+    `action_ruled_out` rejects it (it would score 0 at any length); `ruled_out` counts those."""
     t0 = time.perf_counter()
     engine = InferenceEngine(model, template, max_sessions=64, device=device_of(model))
-    gens = generate(engine, template, insts, 1, 0.0, seed=0)
+    gens = generate(engine, template, insts, 1, 0.0, seed=0, stop_when=action_ruled_out)
     gen_s = time.perf_counter() - t0
     rewards, info = grade_actions([(i, action_of(template, g)) for i, g in zip(insts, gens)], tasks, pool)
     model.train()
@@ -265,6 +277,7 @@ def evaluate(model: Transformer, template: ChatTemplate, insts: list[Instance], 
         "n": len(insts),
         "gen_s": round(gen_s, 1),
         "gen_tok_s": round(n_tok / max(gen_s, 1e-9), 1),
+        "ruled_out": sum(g.finish_reason == "stop" and g.stop is None for g in gens),
         **info,
         "examples": [action_of(template, g) for g in gens[:3]],
     }

@@ -130,7 +130,7 @@ def eval_stage(
             out[f"{fam}_detail"] = r
             print(
                 f"  family {fam}: held-out pass@1 {r['pass@1']:.3f} (n={r['n']}, generation {r['gen_s']} s, "
-                f"{r['gen_tok_s']} tokens/s)"
+                f"{r['gen_tok_s']} tokens/s, {r['ruled_out']} answers stopped once they could not be actions)"
             )
     if acceptance:
         held = sets["A_heldout"][: cfg.n_acceptance // 2] + sets["B_heldout"][: cfg.n_acceptance // 2]

@@ -147,6 +147,19 @@ def parse_action(text: str) -> tuple[int, str, str] | None:
     return int(head), rest, ""  # split decided against the source in apply_action
 
 
+def action_ruled_out(prefix: str) -> bool:
+    """True when no text starting with `prefix` parses as an action: the part before the first `|`
+    already holds a character that is not a digit (after the leading newlines and spaces that
+    `parse_action` strips), or the text starts with `|`. Never True while that part holds `\\ufffd`
+    (a byte token not yet completed to its character). Greedy evaluation stops an answer as soon as
+    this holds; the answer scores 0 either way, so pass@1 is unchanged and the untrained policy
+    stops after a token or two instead of running to the token limit."""
+    head, sep, _ = prefix.lstrip("\n").lstrip(" ").partition("|")
+    if "\ufffd" in head:
+        return False
+    return (bool(head) or bool(sep)) and not head.isdigit()
+
+
 def apply_action(source: str, text: str) -> str | None:
     """The source with the edit applied, or None if the action is malformed or does not apply."""
     parsed = parse_action(text)

@@ -4,15 +4,19 @@ fixes it, the splits do not leak, and the action survives the chat template both
 from __future__ import annotations
 
 import ast
+import itertools
 import random
 import statistics
 
 import pytest
 
 from model.chat_template import ChatTemplate
+from model.engine import Generation
 from model.tokenizer import Tokenizer
+from rl.demo_learning import action_of
 from synth.families import (
     TEMPLATES,
+    action_ruled_out,
     apply_action,
     demo_splits,
     families,
@@ -107,3 +111,21 @@ def test_action_round_trips_through_the_chat_template(sets):
     generated = chat.token_ids[span.body_start : span.end]
     assert all(chat.loss_mask[span.body_start : span.end]) and not any(chat.loss_mask[: span.body_start])
     assert template.parse_assistant(generated).content == inst.action
+    assert action_of(template, Generation(generated, [], "stop", "", [], 0)) == inst.action
+
+
+def test_a_ruled_out_prefix_never_becomes_an_action():
+    # every string over an alphabet of the grammar's characters: once a prefix is ruled out, no
+    # extension parses, and no prefix of a valid action is ruled out
+    alphabet = [" ", "\n", "1", "2", "|", "a", "=", ">"]
+    for n in range(6):
+        for t in itertools.product(alphabet, repeat=n):
+            s = "".join(t)
+            extensions = ("".join(u) for m in range(4) for u in itertools.product(alphabet, repeat=m))
+            if action_ruled_out(s):
+                assert all(parse_action(s + e) is None for e in extensions), s
+            if parse_action(s) is not None:
+                assert not any(action_ruled_out(s[:i]) for i in range(len(s) + 1)), s
+    assert action_ruled_out("x") and action_ruled_out("|") and action_ruled_out(" \n")
+    assert not action_ruled_out(" 12") and not action_ruled_out("\n 3|x")
+    assert not action_ruled_out(" 1\ufffd")  # an unfinished byte token may still complete

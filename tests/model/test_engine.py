@@ -95,6 +95,10 @@ def test_stop_ids_and_stop_strings(model, template):
     g = engine.generate([engine.start(prompt)], 10, stop_ids=(), stop_strings=["\x00never", stop])[0]
     assert g.token_ids == free.token_ids[:k] and g.finish_reason == "stop" and g.stop == stop
     assert stop in g.text
+    # stop_when: a predicate of the decoded generated text, checked after each token
+    k, want = 3, tok.decode(free.token_ids[:3])
+    g = engine.generate([engine.start(prompt)], 10, stop_ids=(), stop_when=lambda t: t == want)[0]
+    assert g.token_ids == free.token_ids[:k] and g.finish_reason == "stop" and g.stop is None
     # default stop ids are the template's (<|end|>, <|eos|>)
     assert engine.default_stop_ids == template.stop_ids
     s = engine.start(prompt)
