@@ -260,11 +260,22 @@ def _tile(cfg: dict, n: int, name: str) -> int:
     return t
 
 
+def _config(name: str, dtype: torch.dtype) -> dict:
+    """CONFIG[name] (tuned for bf16), with BK halved for 4-byte operands: at fp32 the bf16 tiles'
+    pipelined shared-memory buffers need more than an H200 block's 227 KB (`up` asked for 288 KB
+    when the `small` demo ran in fp32)."""
+    cfg = CONFIG[name]
+    return {**cfg, "BK": cfg["BK"] // 2} if dtype.itemsize == 4 else cfg
+
+
 def _dot_args(dtype: torch.dtype) -> dict:
-    """fp32 dot operands under the interpreter (its 16-bit tl.dot is unreliable) and for fp32 inputs,
-    which then use full-precision FMA dots ("ieee"), not TF32."""
+    """fp32 dot operands under the interpreter (its 16-bit tl.dot is unreliable) and for fp32 inputs.
+    fp32 inputs take TF32 tensor-core dots when torch's fp32 matmuls do
+    (`torch.backends.cuda.matmul.allow_tf32`, as the demo sets on a GPU), else full-precision FMA
+    dots ("ieee"), so the kernel keeps the reference's precision either way."""
     f32 = _interpreting() or dtype == torch.float32
-    return {"F32_DOT": f32, "DOT_PREC": "ieee" if f32 else "tf32"}
+    ieee = _interpreting() or (f32 and not torch.backends.cuda.matmul.allow_tf32)
+    return {"F32_DOT": f32, "DOT_PREC": "ieee" if ieee else "tf32"}
 
 
 def _opts(cfg: dict) -> dict:
@@ -377,9 +388,9 @@ def _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit):
     h = torch.empty(sched.N, Fi, dtype=dt, device=dev)
     y = torch.empty(sched.N, D, dtype=dt, device=dev)
     if sched.N:
-        _up(sched, x_TD, w1, w1ofs, w3, w3ofs, wgt_N, gu, h, limit, CONFIG["up"])
+        _up(sched, x_TD, w1, w1ofs, w3, w3ofs, wgt_N, gu, h, limit, _config("up", x_TD.dtype))
         # y[slot] = h @ w2[e]ᵀ: B[k=f, j=d] = w2[d, f]
-        _rows_mm(sched, h, None, w2, w2ofs, y, sched.slot_N, Fi, D, 1, Fi, CONFIG["down"])
+        _rows_mm(sched, h, None, w2, w2ofs, y, sched.slot_N, Fi, D, 1, Fi, _config("down", x_TD.dtype))
     return y, gu, h, (w1, w1ofs, w3, w3ofs, w2, w2ofs)
 
 
@@ -405,7 +416,7 @@ class _MoEExperts(torch.autograd.Function):
         dy = dy_TKD.contiguous().view(sched.N, D).to(x_TD.dtype)
         dgu = torch.empty_like(gu)
         dx_N = torch.empty(sched.N, D, dtype=x_TD.dtype, device=x_TD.device)
-        cfg_dh = CONFIG["dh"]
+        cfg_dh, cfg_dx, cfg_wg = (_config(k, x_TD.dtype) for k in ("dh", "dx", "wgrad"))
         n_ft = Fi // _tile(cfg_dh, Fi, "BN")
         dwgt_part = torch.zeros(sched.N, n_ft, dtype=torch.float32, device=x_TD.device)
         if sched.N:
@@ -413,15 +424,15 @@ class _MoEExperts(torch.autograd.Function):
             _rows_mm(sched, dy, sched.slot_N, w2, w2ofs, dgu, None, D, Fi, Fi, 1, cfg_dh,
                      swiglu=(gu, wgt_N, dwgt_part), limit=limit)  # fmt: skip
             # dx[slot] = dg @ w1[e] + du @ w3[e]: B[k=f, j=d] = w[f, d]
-            _rows_mm(sched, dgu, None, w1, w1ofs, dx_N, sched.slot_N, Fi, D, D, 1, CONFIG["dx"], b2=w3, b2ofs=w3ofs)
+            _rows_mm(sched, dgu, None, w1, w1ofs, dx_N, sched.slot_N, Fi, D, D, 1, cfg_dx, b2=w3, b2ofs=w3ofs)
         dx_TD = torch.empty_like(x_TD)
         if T:
             bd = min(triton.next_power_of_2(D), 256)
             _sum_slots_kernel[(triton.cdiv(T, 16), triton.cdiv(D, bd))](
                 dx_N, dx_TD, T, D, K=sched.K, BT=16, BD=bd, **({} if _interpreting() else {"num_warps": 4})
             )
-        dW13 = _wgrad(sched, dgu, None, x_TD, sched.tok_N, 2 * Fi, D, ws[0].dtype, CONFIG["wgrad"])
-        dW2 = _wgrad(sched, dy, sched.slot_N, h, None, D, Fi, ws[0].dtype, CONFIG["wgrad"])
+        dW13 = _wgrad(sched, dgu, None, x_TD, sched.tok_N, 2 * Fi, D, ws[0].dtype, cfg_wg)
+        dW2 = _wgrad(sched, dy, sched.slot_N, h, None, D, Fi, ws[0].dtype, cfg_wg)
         dweights = dwgt_part.sum(1)  # already in slot (token, k) order
         grads = (*dW13[:, :Fi].unbind(0), *dW13[:, Fi:].unbind(0), *dW2.unbind(0))
         return dx_TD, dweights.view(T, sched.K), None, None, None, *grads

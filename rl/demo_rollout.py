@@ -82,10 +82,18 @@ class RolloutProcess:
     def __exit__(self, *exc) -> None:
         if "gens" in self._pending:  # a job nobody will read: do not wait for it
             self._proc.kill()
-        self._requests.put(None)
+        else:
+            self._requests.put(None)
         self._proc.join(timeout=30)
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join()
+        # Requests the worker never read would hold up this process's exit: each queue's feeder
+        # thread waits to flush them into a pipe nobody drains any more (the H200 demo hung there
+        # after its report, with a version's CUDA IPC handles queued behind a killed job).
+        for q in (self._requests, self._results):
+            q.cancel_join_thread()
+            q.close()
 
     def send_weights(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         self._requests.put(("weights", (version, {k: v.detach().clone() for k, v in state.items()})))

@@ -4,6 +4,10 @@ the CPU, and on a GPU where the weights travel as CUDA IPC handles)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -54,3 +58,23 @@ def test_worker_error_reaches_the_learner():
         worker.send_weights(0, {"no.such.weight": torch.zeros(1)})
         with pytest.raises(RuntimeError, match="no.such.weight"):
             worker.wait_ready()
+
+
+def test_leaving_with_unread_requests_does_not_hold_up_exit():
+    # a job still pending (the worker is killed) with 4 MB of requests queued behind it that nobody
+    # will read: the interpreter must still exit, not wait on the queue's feeder thread
+    script = textwrap.dedent("""
+        from rl.demo_learning import build_policy
+        from rl.demo_rollout import RolloutProcess
+        from synth.families import demo_splits
+        model, template, args = build_policy(seed=3)
+        with RolloutProcess(args) as worker:
+            worker.send_weights(0, model.state_dict())
+            worker.wait_ready()
+            worker.submit(demo_splits(0, 2, 0)["B_train"], 2, 1.0, seed=1)
+            for _ in range(4):
+                worker._requests.put(("weights", (1, {"ballast": b"x" * 1_000_000})))
+        print("left")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "left", done.stderr[-2000:]

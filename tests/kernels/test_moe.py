@@ -5,6 +5,11 @@ through the reference; bf16 agrees to bf16 rounding (accumulation order differs)
 CPU runs use TRITON_INTERPRET=1 (tests/kernels/conftest.py); `-m gpu` runs them compiled on CUDA.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -95,3 +100,37 @@ def test_model_moe_triton_impl_matches_torch_impl(device):
             assert p.grad is None or not p.grad.any(), name
         else:
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=max(1e-4, tol["rtol"]), atol=tol["atol"], msg=name)
+
+
+_UP_SHARED_BYTES = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from kernels import moe as km
+dtype = getattr(torch, sys.argv[1]); ty = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+cfg = km._config("up", dtype)
+ptrs = {"x_ptr": ty, "w1_ptr": ty, "w3_ptr": ty, "w1ofs_ptr": "i64", "w3ofs_ptr": "i64", "tok_ptr": "i32",
+        "wgt_ptr": "fp32", "gu_ptr": ty, "h_ptr": ty, "tile_cum_ptr": "i32", "offs_ptr": "i32"}
+sig = {k: "*" + t for k, t in ptrs.items()} | {"E": "i32", "D": "i32", "F": "i32", "limit": "fp32"}
+consts = {"EP": 32, "BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"], "HAS_LIMIT": True,
+          "F32_DOT": dtype == torch.float32, "DOT_PREC": "tf32"}
+sig |= {k: "constexpr" for k in consts}
+names = list(sig)
+src = triton.compiler.ASTSource(fn=km._up_kernel, signature=sig,
+    constexprs={(names.index(k),): v for k, v in consts.items()},
+    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in [*ptrs, "D", "F"]})
+opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).metadata.shared)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_up_tile_fits_an_h200_block_of_shared_memory(dtype):
+    # The fused up-projection compiled for sm_90 with the tile _config picks for the operands' dtype
+    # must fit an H200 block's 227 KB of shared memory: at fp32 the bf16 tile asked for 288 KB and
+    # failed to launch (the `small` demo trains in fp32). Compiled ahead of time in a process without
+    # TRITON_INTERPRET, so no GPU is needed.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _UP_SHARED_BYTES, dtype], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[2], timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout.split()[-1]) <= 232448
