@@ -46,15 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import torch  # noqa: E402
 
 from bench.model_step import build_model  # noqa: E402
-from model.config import ModelArgs, get_flavor  # noqa: E402
+from model.config import ModelArgs, get_flavor, tiny_args  # noqa: E402
 from model.engine import InferenceEngine  # noqa: E402
 from model.engram import EngramHasher  # noqa: E402
 from model.speculative import SpeculativeConfig, align_drafter  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
-# (prompt_len, new_tokens) per flavor; debug runs on the default tokenizer so its Engram can hash
+# (prompt_len, new_tokens) per flavor. The engine runs on the shipped default tokenizer (tiny's), so
+# debug and small (sized for the released one) take its vocabulary, Engram compressed vocabulary and
+# special ids, as the demo's policies do (rl.demo_learning.demo_args).
 DEFAULTS = {"debug": (64, 32), "tiny": (256, 32), "small": (2048, 128)}
-OVERRIDES = {"debug": {"vocab_size": 4096, "engram_compressed_vocab_size": 2742}}
+_FIT = ("vocab_size", "engram_compressed_vocab_size", "image_token_id", "dspark_noise_token_id")
+OVERRIDES = {f: {k: getattr(tiny_args(), k) for k in _FIT} for f in ("debug", "small")}
 
 
 def _sync(device: torch.device) -> None:
