@@ -284,8 +284,8 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
         lines += [f"| {n} | {s['seconds']:.1f} |" for n, s in timed.items()]
         lines += [f"| all | {sum(s['seconds'] for s in timed.values()):.1f} |", "", "![times](stage_times.png)", ""]
     lines += [
-        f"Load average when the report was written: {os.getloadavg()[0]:.1f} (2-core machine: timings "
-        "under load are pessimistic).",
+        f"Load average when the report was written: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPU cores "
+        "(timings taken under load are pessimistic).",
         "",
     ]
     return lines
