@@ -10,7 +10,9 @@
 #   4. (if 3 hit the call limit) `bash infra/gpu/run_demo_small.sh` again: the stages resume.
 # What it does: installs .whl into /tmp/site once, starts (or confirms) the Docker engine, runs the
 # demo into $RUN_DIR (default /tmp/demo-small, outside the copied tree so a later call finds it) for at
-# most $DEMO_TIMEOUT_S seconds, then copies every stage's done.json, the log and report/ to $OUT.
+# most $DEMO_TIMEOUT_S seconds (default 500: with the 30 s kill grace and the copy it stays inside one
+# 600 s call), then packs every stage's done.json, the logs and report/ into $OUT/demo-small.tgz (one
+# file: the device tool returns only so many) and copies report.md beside it.
 # The stage budgets below are wall-clock caps for one H200 (step budgets off) that fit two calls of the
 # lent machine; 48 held-out instances per family, because the engine's decode of `small` is launch-bound
 # (~0.1 s per forward) and held-out prompts of distinct lengths decode as separate forwards. Extra
@@ -35,7 +37,7 @@ export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
 t0=$(date +%s)
-timeout -s INT -k 30 "${DEMO_TIMEOUT_S:-540}" python3 -m rl.train experiment=demo model=small cluster=h200 \
+timeout -s INT -k 30 "${DEMO_TIMEOUT_S:-500}" python3 -m rl.train experiment=demo model=small cluster=h200 \
     run_dir="$RUN_DIR" demo.n_heldout=48 demo.n_acceptance=4 \
     demo.sft.steps=0 demo.sft.seconds=90 \
     demo.rl.steps=0 demo.rl.seconds=100 \
@@ -45,6 +47,6 @@ timeout -s INT -k 30 "${DEMO_TIMEOUT_S:-540}" python3 -m rl.train experiment=dem
 rc=${PIPESTATUS[0]}
 say "demo exit code $rc after $(( $(date +%s) - t0 )) s (124: the time limit; run again to resume)"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader >&2 || true
-( cd "$RUN_DIR" && find . -name done.json -o -name demo.log -o -path './report/*' -o -name config.resolved.yaml ) \
-    | while read -r f; do mkdir -p "$OUT/$(dirname "$f")"; cp "$RUN_DIR/$f" "$OUT/$f"; done
+tar czf "$OUT/demo-small.tgz" -C "$RUN_DIR" --exclude='*.safetensors' --exclude='*.pt' . || say "packing failed"
+[[ -f $RUN_DIR/report/report.md ]] && cp "$RUN_DIR/report/report.md" "$OUT/"
 exit "$rc"
