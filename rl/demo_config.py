@@ -87,10 +87,10 @@ class OPDConfig:
 @dataclass(kw_only=True)
 class DemoConfig:
     """Demo sizes and budgets. Each learning stage has a step budget and a wall-clock cap (`make demo`
-    <= 20 minutes). On a quiet 2-core machine RL ends near its 120 steps (106-120 measured), while SFT
-    (85-98 of 200 steps) and OPD (about 46 of 90) stop at their caps, so results depend on the
-    machine's speed: held-out A moved 0.56 -> 0.46 between steps 85 and 96 of seed 0's bit-identical
-    SFT trajectory. A loaded machine hits every cap sooner (the summaries give the steps run).
+    <= 20 minutes). On a 2-core machine RL (96-120 of 120 steps measured), SFT (77-98 of 200) and
+    OPD (about 46 of 90) stop at or near their caps, so results depend on the machine's speed:
+    held-out A moved 0.56 -> 0.46 between steps 85 and 96 of seed 0's bit-identical SFT trajectory.
+    A loaded machine hits every cap sooner (the summaries give the steps run).
     On a GPU (`model=small cluster=h200`) set the caps and `steps=0` for the time you have."""
 
     seed: int = 0  # experiment=demo sets it from trainer.seed
