@@ -102,6 +102,23 @@ def test_model_moe_triton_impl_matches_torch_impl(device):
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=max(1e-4, tol["rtol"]), atol=tol["atol"], msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tf32", [False, True])
+def test_moe_fp32_at_small_sizes_with_the_shipped_tiles(tf32, monkeypatch):
+    # the shipped CONFIG at `small`'s sizes (dim 1024, inter 512, 32 experts, top-4) in fp32, as the
+    # GPU demo runs it; TF32 dots when torch's fp32 matmuls take them (H200, session 6: relative error
+    # 1e-6 with ieee dots, 2.3e-3 with TF32)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    x, wgt, idx, w1s, w3s, w2s, dy = _inputs(512, 1024, 512, 32, 4, torch.float32, "cuda")
+    y = km.moe_experts(x, wgt, idx, w1s, w3s, w2s, 0.0)
+    (dx,) = torch.autograd.grad(y, [x], dy)
+    y_ref = km.moe_ref(x, wgt, idx, w1s, w3s, w2s, 0.0)
+    (dx_ref,) = torch.autograd.grad(y_ref, [x], dy)
+    tol = 1e-2 if tf32 else 1e-5
+    assert _rel(y, y_ref) < tol and _rel(dx, dx_ref) < tol
+
+
 _UP_SHARED_BYTES = """
 import sys, torch, triton
 from triton.backends.compiler import GPUTarget
