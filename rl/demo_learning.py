@@ -200,13 +200,17 @@ def generate(
     seed: int,
     chunk: int = 32,
     stop_when: Callable[[str], bool] | None = None,
+    progress: str | None = None,
 ):
     """n generations per instance (token ids, logprobs, text) in engine batches of <= chunk sessions;
-    `stop_when` as in InferenceEngine.generate."""
+    `stop_when` as in InferenceEngine.generate; `progress`: a console bar with this label (terminal only)."""
+    from tqdm import tqdm
+
     prompts = [prompt_ids(template, inst) for inst in insts]
     # equal-length prompts prefill and decode as one batch in the engine: order jobs by length
     jobs = sorted(((i, k) for i in range(len(insts)) for k in range(n)), key=lambda j: len(prompts[j[0]]))
     out: dict = {}
+    bar = tqdm(total=len(jobs), desc=progress, unit="answer", disable=None if progress else True, leave=False)
     for lo in range(0, len(jobs), chunk):
         part = jobs[lo : lo + chunk]
         sids = [engine.start(prompts[i]) for i, _ in part]
@@ -219,6 +223,8 @@ def generate(
                 engine.close(s)
         for job, g in zip(part, gens):
             out[job] = g
+        bar.update(len(part))
+    bar.close()
     return [out[(i, k)] for i in range(len(insts)) for k in range(n)]
 
 
@@ -262,12 +268,14 @@ def grade_actions(pairs: list[tuple[Instance, str]], tasks: dict, pool) -> tuple
     return rewards, {"graded": len(items), "grade_s": time.perf_counter() - t0}
 
 
-def evaluate(model: Transformer, template: ChatTemplate, insts: list[Instance], tasks: dict, pool) -> dict:
+def evaluate(
+    model: Transformer, template: ChatTemplate, insts: list[Instance], tasks: dict, pool, progress: str | None = None
+) -> dict:
     """Greedy pass@1 on held-out instances, graded by the real grader. An answer stops as soon as
     `action_ruled_out` rejects it (it would score 0 at any length); `ruled_out` counts those."""
     t0 = time.perf_counter()
     engine = InferenceEngine(model, template, max_sessions=64, device=device_of(model))
-    gens = generate(engine, template, insts, 1, 0.0, seed=0, stop_when=action_ruled_out)
+    gens = generate(engine, template, insts, 1, 0.0, seed=0, stop_when=action_ruled_out, progress=progress)
     gen_s = time.perf_counter() - t0
     rewards, info = grade_actions([(i, action_of(template, g)) for i, g in zip(insts, gens)], tasks, pool)
     model.train()

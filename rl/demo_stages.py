@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 from rl.demo_config import DemoConfig
@@ -53,15 +55,37 @@ def families_stage(cfg: DemoConfig, stage_dir: Path) -> dict:
 
 
 
-def _progress(log: list[dict], every: int, line: Callable[[dict], str]) -> Callable[[dict], None]:
-    """A stage's progress callback: keeps every record in `log`, prints `line(record)` every `every` steps."""
+@cache
+def _gauges():
+    """The demo's Ray dashboard gauges (rl.metrics.DemoGauges), one set per process."""
+    from rl.metrics import DemoGauges
+
+    return DemoGauges()
+
+
+@contextmanager
+def _progress(log: list[dict], every: int, line: Callable[[dict], str], desc: str, steps: int, cap_s: float):
+    """A learning stage's progress: on a terminal, a bar over the step budget (count, rate, ETA by
+    steps; the postfix shows the wall-clock cap, which binds first on 2 cores); everywhere, `line(record)`
+    every `every` steps (logs keep those); in the Ray dashboard, the records' numbers as gauges tagged
+    with the stage. Yields the loop's `log` callback, which also keeps every record in `log`."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps or None, desc=f"  {desc}", unit="step", disable=None, leave=False, dynamic_ncols=True)
+    gauges = _gauges()
 
     def show(d: dict) -> None:
         log.append(d)
+        gauges.record(desc, d)
+        bar.update(d["step"] - bar.n)
+        bar.set_postfix_str(f"{d['s']:.0f} of {cap_s:.0f} s cap")
         if d["step"] % every == 0:
-            print(line(d), flush=True)
+            tqdm.write(line(d))
 
-    return show
+    try:
+        yield show
+    finally:
+        bar.close()
 
 
 def device(cfg: DemoConfig):
@@ -118,6 +142,7 @@ def eval_stage(
 
     sets, tasks = _instances(run_dir), _tasks(run_dir)
     model, template = _policy(cfg, run_dir / checkpoint if checkpoint else None, student=student)
+    stage = Path(checkpoint).parent.name if checkpoint else "base"  # the dashboard's tag: sft, rl, opd, ...
     dev = device_of(model)
     out = {
         "params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp.")),
@@ -125,7 +150,8 @@ def eval_stage(
     }
     with _pool() as pool:
         for fam in ("A", "B"):
-            r = evaluate(model, template, sets[f"{fam}_heldout"], tasks, pool)
+            r = evaluate(model, template, sets[f"{fam}_heldout"], tasks, pool, progress=f"  family {fam}")
+            _gauges().held_out(stage, fam, r["pass@1"])
             out[fam] = r["pass@1"]
             out[f"{fam}_detail"] = r
             print(
@@ -135,6 +161,7 @@ def eval_stage(
     if acceptance:
         held = sets["A_heldout"][: cfg.n_acceptance // 2] + sets["B_heldout"][: cfg.n_acceptance // 2]
         out["speculative"] = speculative_acceptance(model, template, held)
+        _gauges().record(stage, {"dspark_acceptance": out["speculative"]["acceptance"]})
         print(f"  DSpark: acceptance {out['speculative']['acceptance']} of drafted tokens in speculative decoding")
     out["load"] = os.getloadavg()[0]
     return out
@@ -154,10 +181,11 @@ def sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path, student: bool = F
     sft = cfg.student_sft if student else cfg.sft
     log: list[dict] = []
 
-    show = _progress(log, 50, lambda d: f"  {'student ' * student}sft step {d['step']}: loss {d['loss']:.3f}, "
-                     f"{d['tok_s']} tokens/s, {d['s']:.0f} s ({sft.steps} steps, {sft.seconds:.0f} s cap)")  # fmt: skip
-
-    s = run_sft(model, template, lambda step: rng.sample(a_train, 24), sft, log=show)
+    name = "student sft" if student else "sft"
+    line = lambda d: (f"  {name} step {d['step']}: loss {d['loss']:.3f}, {d['tok_s']} tokens/s, {d['s']:.0f} s "
+                      f"({sft.steps} steps, {sft.seconds:.0f} s cap)")  # fmt: skip
+    with _progress(log, 20, line, name, sft.steps, sft.seconds) as show:
+        s = run_sft(model, template, lambda step: rng.sample(a_train, 24), sft, log=show)
     save_checkpoint(model, str(stage_dir / "policy.safetensors"))
     return {**s, "log": log, "load": os.getloadavg()[0]}
 
@@ -172,10 +200,10 @@ def opd_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
     student, _ = _policy(cfg, run_dir / "student_sft" / "policy.safetensors", student=True)
     log: list[dict] = []
 
-    show = _progress(log, 20, lambda d: f"  opd step {d['step']}: reverse KL {d['reverse_kl']:.4f}, "
-                     f"{d['sampled_tok_s']} sampled tokens/s, {d['s']:.0f} s")  # fmt: skip
-
-    r = run_opd(student, teacher, template, sets["A_train"], sets["B_train"], cfg.opd, seed=cfg.seed, log=show)
+    line = lambda d: (f"  opd step {d['step']}: reverse KL {d['reverse_kl']:.4f}, {d['sampled_tok_s']} sampled "
+                      f"tokens/s, {d['s']:.0f} s")  # fmt: skip
+    with _progress(log, 20, line, "opd", cfg.opd.steps, cfg.opd.seconds) as show:
+        r = run_opd(student, teacher, template, sets["A_train"], sets["B_train"], cfg.opd, seed=cfg.seed, log=show)
     save_checkpoint(student, str(stage_dir / "policy.safetensors"))
     sft_steps = json.loads((run_dir / "student_sft" / "done.json").read_text())["summary"]["steps"]
     return {**r, "sft_steps": sft_steps, "log": log, "load": os.getloadavg()[0]}
@@ -188,11 +216,10 @@ def rl_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path) -> dict:
     sets, tasks = _instances(run_dir), _tasks(run_dir)
     model, template = _policy(cfg, run_dir / "sft" / "policy.safetensors")
 
-    show = _progress([], 20, lambda d: f"  rl step {d['step']}: recent reward {d['reward_recent']:.2f}, "
-                     f"{d['updates']} updates, {d['samples_s']} samples/s, {d['s']:.0f} s "
-                     f"({cfg.rl.steps} steps, {cfg.rl.seconds:.0f} s cap)")  # fmt: skip
-
-    with _pool() as pool:
+    line = lambda d: (f"  rl step {d['step']}: recent reward {d['reward_recent']:.2f}, {d['updates']} updates, "
+                      f"{d['samples_s']} samples/s, {d['s']:.0f} s "
+                      f"({cfg.rl.steps} steps, {cfg.rl.seconds:.0f} s cap)")  # fmt: skip
+    with _pool() as pool, _progress([], 20, line, "rl", cfg.rl.steps, cfg.rl.seconds) as show:
         r = run_rl(
             model, template, sets["B_train"], tasks, pool, cfg.rl, seed=cfg.seed, log=show, demos=sets["A_train"]
         )  # fmt: skip
