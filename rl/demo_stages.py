@@ -72,11 +72,11 @@ def _progress(log: list[dict], every: int, line: Callable[[dict], str], desc: st
     from tqdm import tqdm
 
     bar = tqdm(total=steps or None, desc=f"  {desc}", unit="step", disable=None, leave=False, dynamic_ncols=True)
-    gauges = _gauges()
+    gauges, tag = _gauges(), desc.replace(" ", "_")  # the stage's name, as the evaluations tag it
 
     def show(d: dict) -> None:
         log.append(d)
-        gauges.record(desc, d)
+        gauges.record(tag, d)
         bar.update(d["step"] - bar.n)
         bar.set_postfix_str(f"{d['s']:.0f} of {cap_s:.0f} s cap")
         if d["step"] % every == 0:
