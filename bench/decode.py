@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import torch  # noqa: E402
 
 from bench.model_step import build_model  # noqa: E402
-from model.config import ModelArgs, get_flavor, tiny_args  # noqa: E402
+from model.config import ModelArgs, default_tokenizer_fit, get_flavor  # noqa: E402
 from model.engine import InferenceEngine  # noqa: E402
 from model.engram import EngramHasher  # noqa: E402
 from model.speculative import SpeculativeConfig, align_drafter  # noqa: E402
@@ -56,8 +56,7 @@ from model.tokenizer import Tokenizer  # noqa: E402
 # debug and small (sized for the released one) take its vocabulary, Engram compressed vocabulary and
 # special ids, as the demo's policies do (rl.demo_learning.demo_args).
 DEFAULTS = {"debug": (64, 32), "tiny": (256, 32), "small": (2048, 128)}
-_FIT = ("vocab_size", "engram_compressed_vocab_size", "image_token_id", "dspark_noise_token_id")
-OVERRIDES = {f: {k: getattr(tiny_args(), k) for k in _FIT} for f in ("debug", "small")}
+OVERRIDES = {f: default_tokenizer_fit() for f in ("debug", "small")}
 
 
 def _sync(device: torch.device) -> None:

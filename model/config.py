@@ -514,6 +514,14 @@ def tiny_args() -> ModelArgs:
     )  # fmt: skip
 
 
+def default_tokenizer_fit() -> dict[str, int]:
+    """The fields that tie a model to the shipped default tokenizer (tiny's values): replacing them
+    fits a flavor sized for the released tokenizer (debug, small, flash) to the default one."""
+    t = tiny_args()
+    return {k: getattr(t, k) for k in ("vocab_size", "engram_compressed_vocab_size", "image_token_id",
+                                       "dspark_noise_token_id")}  # fmt: skip
+
+
 def small_args() -> ModelArgs:
     """One-H200 size (~1.4B total): 20 layers (derived schedule), dim 1024, 32 experts top-4,
     the released tokenizer's vocab so it can distil from and be compared with real checkpoints."""

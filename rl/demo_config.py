@@ -87,7 +87,7 @@ class OPDConfig:
 @dataclass(kw_only=True)
 class DemoConfig:
     """Demo sizes and budgets. Each learning stage has a step budget and a wall-clock cap (`make demo`
-    <= 20 minutes). On a 2-core machine RL (96-120 of 120 steps measured), SFT (77-98 of 200) and
+    <= 20 minutes). On a 2-core machine RL (95-120 of 120 steps measured), SFT (77-98 of 200) and
     OPD (about 46 of 90) stop at or near their caps, so results depend on the machine's speed:
     held-out A moved 0.56 -> 0.46 between steps 85 and 96 of seed 0's bit-identical SFT trajectory.
     A loaded machine hits every cap sooner (the summaries give the steps run).

@@ -26,7 +26,7 @@ import torch
 
 from envs.batch_grading import grade_batch, screen_edit
 from model.chat_template import ChatTemplate
-from model.config import ModelArgs, get_flavor, tiny_args
+from model.config import ModelArgs, default_tokenizer_fit, get_flavor
 from model.engine import InferenceEngine
 from model.engram import EngramHasher
 from model.tokenizer import Tokenizer
@@ -48,11 +48,7 @@ def demo_args(flavor: str = "tiny", overrides: dict | None = None, shrink: int =
     the released one: their vocabulary, Engram compressed vocabulary and special ids are replaced by
     the tiny flavor's, which are that tokenizer's), at 1/shrink of its width (the OPD student)."""
     args = get_flavor(flavor, **(DEMO_OVERRIDES if overrides is None else overrides))
-    t = tiny_args()
-    fit = {
-        k: getattr(t, k)
-        for k in ("vocab_size", "engram_compressed_vocab_size", "image_token_id", "dspark_noise_token_id")
-    }
+    fit = default_tokenizer_fit()
     if shrink > 1:
         fit |= {"dim": args.dim // shrink, "moe_inter_dim": args.moe_inter_dim // shrink}
     return dataclasses.replace(args, **fit)
@@ -232,8 +228,7 @@ def action_of(template: ChatTemplate, gen) -> str:
     """The answer: the generated text before the first end tag, as is. The demo's answers are bare
     actions (no reasoning or tool-call blocks to parse out), which is what makes a prefix that
     `action_ruled_out` rejects final."""
-    names = template.tokenizer.special_tokens
-    text = template.tokenizer.decode(list(gen.token_ids))
+    names, text = template.tokenizer.special_tokens, gen.text  # the engine decoded it, special tokens kept
     for tag in (names["end"], names["eos"]):
         text = text.split(tag, 1)[0]
     return text

@@ -111,7 +111,8 @@ def test_action_round_trips_through_the_chat_template(sets):
     generated = chat.token_ids[span.body_start : span.end]
     assert all(chat.loss_mask[span.body_start : span.end]) and not any(chat.loss_mask[: span.body_start])
     assert template.parse_assistant(generated).content == inst.action
-    assert action_of(template, Generation(generated, [], "stop", "", [], 0)) == inst.action
+    gen = Generation(generated, [], "stop", template.tokenizer.decode(generated), [], 0)
+    assert action_of(template, gen) == inst.action
 
 
 def test_a_ruled_out_prefix_never_becomes_an_action():
