@@ -5,13 +5,16 @@ Stages run in order and resume from their outputs (`rl/stages.py`):
                  hardened grader container (reward 1) and so is an empty patch (reward 0);
   families       the demo task families (synth/families.py): family A with demonstrations, family B
                  with tests only, train and held-out instances, one image of real envs Tasks;
+  factory        family F: the environment factory's six stages on the bundled sample repository,
+                 its verified tasks in the demo's format, train (the solver's fixes join SFT) and
+                 held-out (scored with A and B) (synth/factory_family.py);
   eval_base, sft, eval_sft, rl, eval_rl
                  the demo policy (`tiny` with rl.demo_learning.DEMO_OVERRIDES; V4.1 mHC, MoE,
                  compressor/indexer, QAT and the DSpark drafter on) is SFT'd on family A, then GRPO'd
                  asynchronously on family B (a rollout worker process samples the next batch while
                  the learner grades in warm grader containers and trains; policy lag 1 with truncated
                  importance weights; a family-A SFT term keeps family A); the drafter learns the
-                 policy in both; greedy held-out pass@1 on both families and DSpark acceptance in real
+                 policy in both; greedy held-out pass@1 on every family and DSpark acceptance in real
                  speculative decoding after each (rl/demo_stages.py);
   student_sft, opd, eval_opd, eval_student_sft
                  a half-width student: SFT alone on family A for the whole student budget, and from
@@ -36,6 +39,7 @@ from rl.config import JobConfig
 from rl.demo_stages import (
     DemoConfig,
     eval_stage,
+    factory_stage,
     families_stage,
     opd_stage,
     rl_stage,
@@ -44,7 +48,6 @@ from rl.demo_stages import (
 from rl.stages import StageFn, run_stage
 
 NOT_BUILT_YET = (
-    ("factory", "tasks built by the factory stages (synth/) instead of synth/families.py's generator"),
     ("agent", "multi-turn agent episodes inside sandboxes (the demo's policy answers in one turn; its answers "
               "are graded in containers)"),
 )
@@ -74,6 +77,7 @@ def demo_stages(demo: DemoConfig, run_dir: Path) -> list[tuple[str, StageFn]]:
     return [
         ("sandbox_check", sandbox_check),
         ("families", partial(families_stage, demo)),
+        ("factory", partial(factory_stage, demo)),
         ("eval_base", partial(eval_stage, demo, run_dir, None)),
         ("sft", partial(sft_stage, demo, run_dir)),
         ("eval_sft", partial(eval_stage, demo, run_dir, "sft/policy.safetensors")),

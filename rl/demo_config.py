@@ -29,6 +29,9 @@ class SFTConfig:
     muon_lr: float = 0.02
     dspark_weight: float = 1.0  # the DSpark drafter learns the policy on assistant tokens (0: untouched)
     dspark_every: int = 4  # ...on every n-th step: its k-token drafts over every position cost ~half a step
+    # cosine decay to lr * lr_floor by the end of the stage, steps or seconds, whichever binds first
+    # (rl.demo_learning.sft_lr_scale); 1.0: constant
+    lr_floor: float = 0.1
 
 
 
@@ -101,6 +104,13 @@ class DemoConfig:
     threads: int = 2  # torch CPU threads of the learner (the rollout worker takes half the cores)
     # The student: the policy at 1/student_shrink of its width (dim and moe_inter_dim)
     student_shrink: int = 2
+    # family F: tasks the factory builds from the bundled sample repository (synth/factory_family.py);
+    # factory_budget tasks wanted out of its inspector (about 85 s of the 20 minutes for 6-10 tasks),
+    # split train / held-out by task id; each SFT batch takes factory_demos_per_batch of the train
+    # tasks' solver demonstrations (0 with factory_budget 0: no factory stage)
+    factory_budget: int = 6
+    factory_heldout_share: float = 0.5
+    factory_demos_per_batch: int = 2
     n_train_a: int = 5000
     n_train_b: int = 300
     n_heldout: int = 200

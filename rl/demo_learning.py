@@ -17,6 +17,7 @@ Not here: the stage wiring (rl/demo.py) or the measurement script (bench/demo_le
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import time
@@ -36,7 +37,7 @@ from rl.demo_config import DEMO_OVERRIDES, RLConfig, SFTConfig
 from rl.demo_dspark import dspark_train_term
 from rl.losses import policy_loss, sft_loss
 from rl.optim import build_optimizer
-from synth.families import Instance, action_ruled_out, apply_action, module_path
+from synth.families import Instance, action_ruled_out, apply_action, module_path, module_source
 
 MAX_ACTION_TOKENS = 16
 GRADE_TIMEOUT_S = 0.5
@@ -134,6 +135,18 @@ def demo_rows(template: ChatTemplate, demos: list[Instance], rng: random.Random,
     return tuple(t[:rows] for t in pack(examples, seq_len, template.tokenizer.eos_id))
 
 
+def sft_lr_scale(cfg: SFTConfig, step: int, elapsed_s: float) -> float:
+    """The learning-rate factor at `step`: cosine from 1 down to cfg.lr_floor over the stage, whose
+    progress is the larger of steps done / step budget and seconds spent / wall-clock cap. So the
+    schedule ends where the stage ends, whichever budget binds: on a slower machine SFT runs fewer
+    steps but still anneals, instead of stopping at full learning rate wherever the cap falls
+    (constant lr: seed 0 scored 0.41 or 0.56 on held-out A after 80 or 85 steps of one trajectory)."""
+    if not cfg.lr_floor < 1.0:
+        return 1.0
+    progress = min(1.0, max(step / cfg.steps if cfg.steps else 0.0, elapsed_s / cfg.seconds))
+    return cfg.lr_floor + (1.0 - cfg.lr_floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def run_sft(
     model: Transformer,
     template: ChatTemplate,
@@ -143,10 +156,14 @@ def run_sft(
 ) -> dict:
     """SFT for cfg.steps steps (at most cfg.seconds of wall time) on batches drawn by make_batch(step)."""
     opt = demo_optimizer(model, cfg.lr, cfg.muon_lr)
+    base_lrs = [g["lr"] for g in opt.param_groups]
     model.train()
     pad, dev = template.tokenizer.eos_id, device_of(model)
     t0, step, tokens, losses, accept = time.perf_counter(), 0, 0, [], []
     while time.perf_counter() - t0 < cfg.seconds and (not cfg.steps or step < cfg.steps):
+        scale = sft_lr_scale(cfg, step, time.perf_counter() - t0)
+        for g, lr in zip(opt.param_groups, base_lrs):
+            g["lr"] = lr * scale
         insts = make_batch(step)
         ids, docs, mask = pack([sft_example(template, i) for i in insts], cfg.seq_len, pad)
         ids, docs, mask = (t[: cfg.rows].to(dev) for t in (ids, docs, mask))
@@ -242,25 +259,30 @@ def reward_files(inst: Instance, action: str) -> tuple[dict[str, str] | None, st
     why = screen_edit(inst.buggy, fixed)
     if why:
         return None, why
-    return {module_path(inst): fixed}, ""
+    return {module_path(inst): module_source(inst, fixed)}, ""
 
 
 def grade_actions(pairs: list[tuple[Instance, str]], tasks: dict, pool) -> tuple[list[float], dict]:
-    """Rewards of (instance, action) pairs; gradable ones go to the real grader in one batch."""
+    """Rewards of (instance, action) pairs; gradable ones go to the real grader, one batch per image
+    (the families share one image; family F grades on its repository's pristine image)."""
     rewards = [0.0] * len(pairs)
-    items, where = [], []
+    by_image: dict[str, list[tuple[int, object, dict]]] = {}
     for k, (inst, action) in enumerate(pairs):
         files, _ = reward_files(inst, action)
         if files is not None:
-            items.append((tasks[inst.iid], files))
-            where.append(k)
+            task = tasks[inst.iid]
+            by_image.setdefault(task.image, []).append((k, task, files))
     t0 = time.perf_counter()
     local = getattr(pool, "workspace", None)  # bench.demo_learning's container-less LocalHarness
     kw = {"workspace": local, "sweep": False} if local else {}
-    # template functions run in microseconds: a candidate still running after GRADE_TIMEOUT_S loops
-    for k, g in zip(where, grade_batch(items, pool=pool, timeout_s=GRADE_TIMEOUT_S, **kw)):
-        rewards[k] = g.reward
-    return rewards, {"graded": len(items), "grade_s": time.perf_counter() - t0}
+    for items in by_image.values():
+        # template functions run in microseconds: a candidate still running after GRADE_TIMEOUT_S loops;
+        # a factory task runs its repository's whole suite (verification["timeout_s"])
+        timeout = max(float(t.verification.get("timeout_s", GRADE_TIMEOUT_S)) for _, t, _ in items)
+        graded = grade_batch([(t, f) for _, t, f in items], pool=pool, timeout_s=timeout, **kw)
+        for (k, _, _), g in zip(items, graded):
+            rewards[k] = g.reward
+    return rewards, {"graded": sum(map(len, by_image.values())), "grade_s": time.perf_counter() - t0}
 
 
 def evaluate(

@@ -15,6 +15,7 @@ from pathlib import Path
 STAGES = (
     "sandbox_check",
     "families",
+    "factory",
     "eval_base",
     "sft",
     "eval_sft",
@@ -49,15 +50,24 @@ def _save(fig, out_dir: Path, name: str, files: list[str]) -> None:
     files.append(name)
 
 
+FAMILY_LABELS = {"A": "demonstrations", "B": "tests only", "F": "factory, sample repository"}
+
+
+def _fams(evals: dict) -> list[str]:
+    """Families every evaluation scored (F only in runs with the factory stage)."""
+    return [f for f in FAMILY_LABELS if all(f in e for e in evals.values())]
+
+
 def _plot_pass(plt, evals: dict, out_dir: Path, files: list[str]) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    labels = list(evals)
-    for j, fam in enumerate(("A", "B")):
+    labels, fams = list(evals), _fams(evals)
+    width = 0.8 / len(fams)
+    for j, fam in enumerate(fams):
         vals = [evals[lab][fam] for lab in labels]
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(labels))]
-        ax.bar(xs, vals, width=0.38, label=f"family {fam} ({'demonstrations' if fam == 'A' else 'tests only'})")
+        xs = [i + (j - (len(fams) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, vals, width=width, label=f"family {fam} ({FAMILY_LABELS[fam]})")
         for x, v in zip(xs, vals):
-            ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
+            ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=7)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set(ylabel="held-out pass@1 (greedy)", ylim=(0, 1), title="Held-out pass@1 per stage")
     ax.legend(fontsize=8)
@@ -175,7 +185,7 @@ def make_report(run_dir: Path, out_dir: Path) -> dict:
     return {
         "report": str(out_dir / "report.md"),
         "plots": files,
-        "pass_at_1": {lab: {"A": e["A"], "B": e["B"]} for lab, e in evals.items()},
+        "pass_at_1": {lab: {f: e[f] for f in _fams(evals)} for lab, e in evals.items()},
     }
 
 
@@ -186,16 +196,18 @@ def _device(evals: dict) -> str:
 
 def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[str]) -> list[str]:
     lines = ["# flashpost demo report", "", f"Run folder: `{run_dir.resolve()}`; device: {_device(evals)}", ""]
+    fams = _fams(evals)
     if evals:
         lines += [
             "## Held-out pass@1 (greedy, real grading)",
             "",
-            "| stage | parameters (no drafter) | family A (demonstrations) | family B (tests only) |",
-            "|---|---|---|---|",
+            "| stage | parameters (no drafter) | "
+            + " | ".join(f"family {f} ({FAMILY_LABELS[f]})" for f in fams) + " |",
+            "|---|---|" + "---|" * len(fams),
         ]
         lines += [
-            f"| {lab} | {e.get('params', '')} | {e['A']:.3f} (n={e['A_detail']['n']}) | {e['B']:.3f} "
-            f"(n={e['B_detail']['n']}) |"
+            f"| {lab} | {e.get('params', '')} | " + " | ".join(f"{e[f]:.3f} (n={e[f + '_detail']['n']})" for f in fams)
+            + " |"
             for lab, e in evals.items()
         ]
         lines += [
@@ -203,6 +215,19 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
             "Seed-to-seed spread of these numbers: README (`make demo` at seeds 0, 1, 2: `trainer.seed=N`).",
             "",
             "![pass@1](pass_at_1.png)",
+            "",
+        ]
+    if stages["factory"] and not stages["factory"]["summary"].get("off"):
+        f = stages["factory"]["summary"]
+        funnel = ", ".join(f"{name} {row.get('out', '?')}" for name, row in f["funnel"].items())
+        lines += [
+            "## Family F: the environment factory on the sample repository",
+            "",
+            f"The factory's six stages built and verified {f['factory_tasks']} tasks in {f['factory_seconds']:.0f} s "
+            f"(records out per stage: {funnel}; search solver pass rate {f['search_solver_pass_rate']}). "
+            f"{f['F_train']} became train tasks (the solver's fix is an SFT demonstration) and {f['F_heldout']} "
+            f"held-out tasks, graded with the repository's whole test suite; {len(f['left_out'])} left out "
+            f"(not one short edit inside one short function: {sorted(set(f['left_out'].values()))}).",
             "",
         ]
     if stages["sft"]:

@@ -2,6 +2,8 @@
 
   families   A/B train and held-out instances (instances.json) and the family image with one envs
              Task per gradable instance (tasks.json);
+  factory    family F: the factory's tasks from the sample repository in the same two files
+             (synth/factory_family.py); its train demonstrations join SFT, its held-out tasks every eval;
   eval_base  greedy held-out pass@1 of the untrained policy (seeded init = SFT's starting point);
   sft        SFT on family-A demonstrations for a wall-clock budget -> sft/policy.safetensors;
   eval_sft   held-out pass@1 after SFT;
@@ -26,18 +28,32 @@ from pathlib import Path
 
 from rl.demo_config import DemoConfig
 
+SETS = ("families", "factory")  # stages whose instances.json and tasks.json the learning stages read
+
 
 def _instances(run_dir: Path) -> dict:
+    """{"A_train": [...], ..., "F_heldout": [...]}: the families' and (when it ran) the factory's splits."""
     from synth.families import Instance
 
-    doc = json.loads((run_dir / "families" / "instances.json").read_text())
-    return {k: [Instance.from_dict(d) for d in v] for k, v in doc.items()}
+    out = {}
+    for stage in SETS:
+        if (run_dir / stage / "instances.json").exists():
+            doc = json.loads((run_dir / stage / "instances.json").read_text())
+            out.update({k: [Instance.from_dict(d) for d in v] for k, v in doc.items()})
+    return out
 
 
 def _tasks(run_dir: Path) -> dict:
+    """Grading Tasks by instance id."""
     from envs.task import load_tasks
 
-    return {t.task_id.removeprefix("demo-"): t for t in load_tasks(run_dir / "families" / "tasks.json")}
+    return {t.task_id.removeprefix("demo-"): t for stage in SETS if (run_dir / stage / "tasks.json").exists()
+            for t in load_tasks(run_dir / stage / "tasks.json")}  # fmt: skip
+
+
+def _families(sets: dict) -> tuple[str, ...]:
+    """The families with held-out instances: A, B and, when the factory gave any, F."""
+    return tuple(f for f in ("A", "B", "F") if sets.get(f"{f}_heldout"))
 
 
 def families_stage(cfg: DemoConfig, stage_dir: Path) -> dict:
@@ -52,6 +68,33 @@ def families_stage(cfg: DemoConfig, stage_dir: Path) -> dict:
     summary = {k: len(v) for k, v in sets.items()}
     print(f"  instances: {summary}; {len(tasks)} gradable tasks in image {tasks[0].image}")
     return {**summary, "image": tasks[0].image}
+
+
+def factory_stage(cfg: DemoConfig, stage_dir: Path) -> dict:
+    """Family F: the environment factory's stages on the bundled sample repository (its own resumable
+    folder, stage_dir/factory), then the accepted tasks in the demo's format (synth/factory_family.py)."""
+    import dataclasses
+
+    from envs.task import save_tasks
+    from synth.factory_family import build_sample_tasks, factory_instances
+
+    if cfg.factory_budget <= 0:
+        print("  factory: off (demo.factory_budget=0); no family F")
+        return {"F_train": 0, "F_heldout": 0, "factory_tasks": 0, "off": True}
+    stats = build_sample_tasks(stage_dir / "factory", cfg.factory_budget, cfg.seed)
+    insts, tasks, left_out = factory_instances(stage_dir / "factory", cfg.factory_heldout_share)
+    sets = {f"F_{split}": [i for i in insts if i.split == split] for split in ("train", "heldout")}
+    (stage_dir / "instances.json").write_text(json.dumps({k: [i.to_dict() for i in v] for k, v in sets.items()}))
+    named = [dataclasses.replace(t, task_id=f"demo-{iid}",
+                                 verification={**t.verification, "factory_task_id": t.task_id})
+             for iid, t in tasks.items()]  # fmt: skip
+    save_tasks(named, stage_dir / "tasks.json")
+    summary = {k: len(v) for k, v in sets.items()}
+    print(f"  factory: {stats['tasks']} verified tasks in {stats['seconds']} s; {summary} in the demo's format"
+          + (f"; left out {len(left_out)}: {sorted(set(left_out.values()))}" if left_out else ""))
+    return {**summary, "factory_tasks": stats["tasks"], "factory_seconds": stats["seconds"],
+            "funnel": stats["funnel"], "search_solver_pass_rate": stats.get("search_solver_pass_rate"),
+            "left_out": left_out}  # fmt: skip
 
 
 
@@ -149,7 +192,7 @@ def eval_stage(
         "device": str(dev) if dev.type == "cuda" else f"cpu, {cfg.threads} threads",
     }
     with _pool() as pool:
-        for fam in ("A", "B"):
+        for fam in _families(sets):
             r = evaluate(model, template, sets[f"{fam}_heldout"], tasks, pool, progress=f"  family {fam}")
             _gauges().held_out(stage, fam, r["pass@1"])
             out[fam] = r["pass@1"]
@@ -175,7 +218,9 @@ def sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path, student: bool = F
     from model.checkpoint import save_checkpoint
     from rl.demo_learning import run_sft
 
-    a_train = _instances(run_dir)["A_train"]
+    sets = _instances(run_dir)
+    a_train, f_train = sets["A_train"], sets.get("F_train", [])
+    n_f = min(cfg.factory_demos_per_batch, len(f_train))
     model, template = _policy(cfg, None, student=student)
     rng = random.Random(cfg.seed + student)  # the student draws its own batch order
     sft = cfg.student_sft if student else cfg.sft
@@ -185,7 +230,9 @@ def sft_stage(cfg: DemoConfig, run_dir: Path, stage_dir: Path, student: bool = F
     line = lambda d: (f"  {name} step {d['step']}: loss {d['loss']:.3f}, {d['tok_s']} tokens/s, {d['s']:.0f} s "
                       f"({sft.steps} steps, {sft.seconds:.0f} s cap)")  # fmt: skip
     with _progress(log, 20, line, name, sft.steps, sft.seconds) as show:
-        s = run_sft(model, template, lambda step: rng.sample(a_train, 24), sft, log=show)
+        # 24 demonstrations a batch: family A's, and n_f of the factory's train tasks (the solver's fixes)
+        s = run_sft(model, template, lambda step: rng.sample(a_train, 24 - n_f) + rng.sample(f_train, n_f), sft,
+                    log=show)  # fmt: skip
     save_checkpoint(model, str(stage_dir / "policy.safetensors"))
     return {**s, "log": log, "load": os.getloadavg()[0]}
 

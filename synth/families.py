@@ -124,6 +124,11 @@ class Instance:
     first_fail: str  # the first failing assert and what it got
     action: str  # the gold edit, " <line>|<old>=><new>"
     kind: str  # mutation kind of the injected bug
+    # family F (synth/factory_family.py): the repository file the function is in, the function's first
+    # line in it (0-based) and the whole broken file; "" / 0 / "" for the generated families
+    path: str = ""
+    offset: int = 0
+    file: str = ""
 
     @property
     def prompt(self) -> str:
@@ -378,7 +383,17 @@ IMAGE_REPO = "flashpost/demo-family"
 
 
 def module_path(inst: Instance) -> str:
-    return f"{MODULE_DIR}/{inst.iid}.py"
+    return inst.path or f"{MODULE_DIR}/{inst.iid}.py"
+
+
+def module_source(inst: Instance, function: str) -> str:
+    """The module to grade when the instance's function reads `function`: the function itself for
+    the generated families, the broken file with the function's lines replaced for family F."""
+    if not inst.file:
+        return function
+    lines = inst.file.splitlines(keepends=True)
+    n = len(inst.buggy.splitlines())
+    return "".join(lines[: inst.offset]) + function + "".join(lines[inst.offset + n :])
 
 
 def module_tests_path(inst: Instance) -> str:

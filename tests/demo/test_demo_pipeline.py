@@ -25,7 +25,8 @@ from rl.demo import run_demo
 from rl.demo_learning import RLConfig, SFTConfig
 from rl.demo_opd import OPDConfig
 from rl.demo_stages import DemoConfig
-demo = DemoConfig(n_train_a=60, n_train_b=8, n_heldout=3, n_acceptance=2, sft=SFTConfig(seconds=4.0, rows=2),
+demo = DemoConfig(n_train_a=60, n_train_b=8, n_heldout=3, n_acceptance=2, factory_budget=2, factory_heldout_share=0.5,
+                  sft=SFTConfig(seconds=4.0, rows=2),
                   rl=RLConfig(seconds=4.0, tasks_per_step=2, samples=2),
                   student_sft=SFTConfig(seconds=4.0, rows=2),
                   opd=OPDConfig(seconds=3.0, prompts_per_step=2, samples=2))
@@ -62,6 +63,10 @@ def test_demo_killed_midway_resumes(engine_ready, tmp_path):
         assert resumed == (s in done_before), (s, log[-3000:])
     summaries = {s: json.loads((run_dir / s / "done.json").read_text())["summary"] for s in STAGES}
     assert summaries["families"]["B_train"] == 8 and summaries["eval_sft"]["A_detail"]["n"] == 3
+    f = summaries["factory"]
+    assert f["factory_tasks"] >= 2 and f["F_train"] + f["F_heldout"] + len(f["left_out"]) == f["factory_tasks"]
+    if f["F_heldout"]:  # family F is scored with A and B
+        assert summaries["eval_sft"]["F_detail"]["n"] == f["F_heldout"]
     assert summaries["rl"]["steps"] >= 1 and summaries["rl"]["samples"] == summaries["rl"]["steps"] * 4
     assert summaries["opd"]["steps"] >= 1 and summaries["student_sft"]["steps"] >= 1
     assert summaries["eval_sft"]["speculative"]["drafted"] > 0  # speculative decoding really drafted
