@@ -14,7 +14,7 @@ factory run. `factory_instances` turns each accepted task into an `Instance` of 
   - the demonstration is the solver ensemble's patch (the inspector accepted it), as the shortest
     ` <line>|<old>=><new>` edit of the function.
 Tasks whose fix is not one short edit inside one top-level function, or whose prompt is too long
-for the demo's rows, are left out (`why` says which). Splits are fixed by a hash of the task id.
+for the demo's rows, are left out (`why` says which). Splits: `heldout_ids`.
 
 F instances are graded by the real batch grader on the repository's pristine image (the fixed
 state): a candidate rewrites the whole broken file with its edit, so the pristine image plus that
@@ -87,9 +87,12 @@ def build_sample_tasks(out_dir: Path, budget: int, seed: int, progress: bool = T
     return run_factory(sample_factory_options(out_dir, budget, seed), progress=progress)
 
 
-def split_of(task_id: str, heldout_share: float) -> str:
-    h = int(hashlib.sha256(task_id.encode()).hexdigest()[:8], 16) / 2**32
-    return "heldout" if h < heldout_share else "train"
+def heldout_ids(task_ids: list[str], heldout_share: float) -> set[str]:
+    """round(share x n) of the ids, taken in the order of their hashes: a fixed split that does not
+    depend on which other tasks exist, with the same share whatever n (a coin per task left a
+    seed with 7 train tasks and none held out)."""
+    ranked = sorted(task_ids, key=lambda t: hashlib.sha256(t.encode()).hexdigest())
+    return set(ranked[: round(heldout_share * len(ranked))])
 
 
 def _function(source: str, name: str) -> tuple[int, int] | None:
@@ -165,7 +168,7 @@ def factory_instances(out_dir: Path, heldout_share: float = 0.5) -> tuple[list[I
         first_fail = observe(task)
         iid = f"F-{task.task_id.rsplit('-', 1)[-1]}"
         inst = Instance(
-            iid=iid, family="F", split=split_of(task.task_id, heldout_share), template=-1, func=func,
+            iid=iid, family="F", split="", template=-1, func=func,
             correct=_lines(solved, span), buggy=buggy_fn, tests=(), first_fail=first_fail or "",
             action=demo, kind=m.get("kind", ""), path=path, offset=span[0], file=broken,
         )  # fmt: skip
@@ -179,4 +182,6 @@ def factory_instances(out_dir: Path, heldout_share: float = 0.5) -> tuple[list[I
             verification={**task.verification, "sources": sorted(repo.source_files) if repo else [path],
                           "grading": "batch on the pristine image", "timeout_s": GRADE_TIMEOUT_S},
         )  # fmt: skip
+    held = heldout_ids([i.iid for i in instances], heldout_share)
+    instances = [dataclasses.replace(i, split="heldout" if i.iid in held else "train") for i in instances]
     return instances, tasks, left_out
