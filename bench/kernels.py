@@ -531,7 +531,8 @@ def _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune: bool) -> None:
 
 def bench_step(copy_bw: float, quick: bool) -> None:
     """One `small` training step (batch 1 x 4096, bench/model_step.py's loss) with impl torch and
-    impl triton on the same weights and tokens: step time and the two losses."""
+    impl triton on the same weights and tokens: step time and the two losses. `--step-dtype float32`:
+    fp32 weights with TF32 matmuls, as the demo trains `small` on a GPU."""
     import time
 
     import torch.nn.functional as F
@@ -543,7 +544,10 @@ def bench_step(copy_bw: float, quick: bool) -> None:
     torch.manual_seed(0)
     seqlen = 2048 if quick else 4096
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    dtype = _OPTS.get("step_dtype", torch.bfloat16)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == torch.float32 or tf32
+    torch.set_default_dtype(dtype)
     try:  # built and initialised on the GPU (a CPU init of 1.4B parameters takes minutes)
         with torch.device("cuda"):
             models = {impl: Transformer(get_flavor("small", impl=impl)) for impl in ("torch", "triton")}
@@ -553,7 +557,8 @@ def bench_step(copy_bw: float, quick: bool) -> None:
     models["triton"].load_state_dict(models["torch"].state_dict())
     ids = torch.randint(0, models["torch"].args.vocab_size, (1, seqlen + 1), device="cuda")
     engram_inputs = random_engram_inputs(models["torch"].args, 1, seqlen, torch.device("cuda"))
-    rec = {"kernel": "small_train_step", "batch": 1, "seqlen": seqlen}
+    rec = {"kernel": "small_train_step", "batch": 1, "seqlen": seqlen, "dtype": str(dtype).removeprefix("torch."),
+           "tf32": torch.backends.cuda.matmul.allow_tf32}
     for impl, model in models.items():
 
         def step(model=model):
@@ -573,6 +578,7 @@ def bench_step(copy_bw: float, quick: bool) -> None:
         torch.cuda.synchronize()
         rec[impl] = {"step_ms": round((time.perf_counter() - t0) / n * 1e3, 2), "loss": round(loss, 5)}
     rec["speedup"] = round(rec["torch"]["step_ms"] / rec["triton"]["step_ms"], 3)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     _emit(rec)
 
 
@@ -581,8 +587,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer cases")
     ap.add_argument("--only", default="quant,mhc,attn,moe")
     ap.add_argument("--no-compile", action="store_true", help="time the torch references eager only")
+    ap.add_argument("--step-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the `step` bench's weights (float32: with TF32 matmuls, as the demo trains)")
     args = ap.parse_args()
     _OPTS["no_compile"] = args.no_compile
+    _OPTS["step_dtype"] = getattr(torch, args.step_dtype)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "bench/kernels.py needs a CUDA GPU"}))
         return

@@ -90,9 +90,13 @@ def _interpreting() -> bool:
 
 def _dot_args(dtype: torch.dtype) -> dict:
     """fp32 dot operands (F32_DOT) under the interpreter, whose 16-bit tl.dot is broken, and for fp32
-    inputs; those use full-precision FMA dots ("ieee"), not TF32."""
+    inputs. fp32 inputs take TF32 tensor-core dots when torch's fp32 matmuls do
+    (`torch.backends.cuda.matmul.allow_tf32`, as the demo sets on a GPU; kernels/moe.py's rule), else
+    full-precision FMA dots ("ieee"): the reference's precision either way. With ieee dots the fp32
+    demo of `small` trained slower with impl=triton than with torch (407 against 564 tokens/s)."""
     f32 = _interpreting() or dtype == torch.float32
-    return {"F32_DOT": f32, "DOT_PREC": "ieee" if f32 else "tf32"}
+    ieee = _interpreting() or (f32 and not torch.backends.cuda.matmul.allow_tf32)
+    return {"F32_DOT": f32, "DOT_PREC": "ieee" if ieee else "tf32"}
 
 
 @triton.jit

@@ -6,7 +6,8 @@
 #   1. carry .gpu-docker-image   (infra/gpu/docker_bundle.sh: the sandbox base image)
 #   2. carry .gpu-docker         `bash infra/gpu/start_docker.sh` (engine up, image loaded)
 #   3. carry .whl                `bash infra/gpu/run_demo_small.sh`  (../shared/tools/gpu-wheels.sh: Ray,
-#                                Hydra, DeepSpeed for Python 3.12)
+#                                Hydra, DeepSpeed for Python 3.12; plus datasets, dill and multiprocess
+#                                for the factory stage, see the check below)
 #   4. (if 3 hit the call limit) `bash infra/gpu/run_demo_small.sh` again: the stages resume.
 # What it does: installs .whl into /tmp/site once, starts (or confirms) the Docker engine, runs the
 # demo into $RUN_DIR (default /tmp/demo-small, outside the copied tree so a later call finds it) for at
@@ -25,12 +26,16 @@ OUT=${OUT:-/tmp/demo-small-out}
 mkdir -p "$SITE" "$RUN_DIR" "$OUT"
 say() { echo "[run_demo_small] $*" >&2; }
 
-if [[ -d .whl && ! -f $SITE/.whl-installed ]]; then
+# installed once per distinct set of wheels (a later call carrying more wheels installs again)
+WHEELS=$(ls .whl/*.whl 2>/dev/null | sort | md5sum | cut -c1-12)
+if [[ -d .whl && "$(cat "$SITE/.whl-installed" 2>/dev/null)" != "$WHEELS" ]]; then
     python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
-        && touch "$SITE/.whl-installed" || { say "installing .whl failed"; exit 1; }
+        && echo "$WHEELS" > "$SITE/.whl-installed" || { say "installing .whl failed"; exit 1; }
 fi
-python3 -c "import hydra, ray" 2>/dev/null || PYTHONPATH=$SITE python3 -c "import hydra, ray" \
-    || { say "no Ray/Hydra: carry .whl (bash ../shared/tools/gpu-wheels.sh builds it)"; exit 1; }
+python3 -c "import hydra, ray, datasets" 2>/dev/null || PYTHONPATH=$SITE python3 -c "import hydra, ray, datasets" \
+    || { say "no Ray/Hydra/datasets: carry .whl (bash ../shared/tools/gpu-wheels.sh builds Ray, Hydra and" \
+             "DeepSpeed; the factory stage also needs datasets, dill and multiprocess: pip download datasets" \
+             "dill multiprocess --no-deps --only-binary=:all: --python-version 3.12 -d .whl)"; exit 1; }
 GPU_DOCKER_SMOKE=0 bash infra/gpu/start_docker.sh || { say "Docker engine did not start"; exit 1; }
 
 export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
