@@ -97,7 +97,6 @@ def factory_stage(cfg: DemoConfig, stage_dir: Path) -> dict:
             "left_out": left_out}  # fmt: skip
 
 
-
 @cache
 def _gauges():
     """The demo's Ray dashboard gauges (rl.metrics.DemoGauges), one set per process."""

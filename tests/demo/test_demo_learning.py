@@ -9,7 +9,17 @@ from types import SimpleNamespace
 import torch
 
 from rl.config import OptimConfig
-from rl.demo_learning import RLConfig, SFTConfig, build_policy, pack, reward_files, rl_update, run_sft, sft_example
+from rl.demo_learning import (
+    RLConfig,
+    SFTConfig,
+    build_policy,
+    pack,
+    reward_files,
+    rl_update,
+    run_sft,
+    sft_example,
+    sft_lr_scale,
+)
 from rl.optim import build_optimizer
 from synth.families import demo_splits, module_path
 
@@ -20,6 +30,18 @@ def test_pack_keeps_documents_and_masks():
     assert ids.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]
     assert docs.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]
     assert mask.tolist() == [[False, True, True, False, True, False], [False, False, True, True, False, False]]
+
+
+def test_sft_lr_decays_over_whichever_budget_binds():
+    cfg = SFTConfig(steps=200, seconds=100.0, lr_floor=0.1)
+    assert sft_lr_scale(cfg, 0, 0.0) == 1.0
+    assert abs(sft_lr_scale(cfg, 100, 10.0) - 0.55) < 1e-9  # halfway by steps: the cosine's midpoint
+    assert abs(sft_lr_scale(cfg, 10, 50.0) - 0.55) < 1e-9  # halfway by time, few steps done
+    assert sft_lr_scale(cfg, 10, 100.0) == sft_lr_scale(cfg, 200, 1.0) == 0.1  # the end, either way
+    scales = [sft_lr_scale(cfg, k, k * 0.4) for k in range(0, 251, 10)]
+    assert all(a >= b for a, b in zip(scales, scales[1:]))
+    assert sft_lr_scale(SFTConfig(steps=0, seconds=100.0, lr_floor=1.0), 5, 99.0) == 1.0  # constant
+    assert abs(sft_lr_scale(SFTConfig(steps=0, seconds=100.0), 5, 50.0) - 0.55) < 1e-9  # no step budget
 
 
 def test_reward_files():
