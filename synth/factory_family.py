@@ -124,6 +124,11 @@ def _apply(files: dict[str, str], patch: str) -> dict[str, str]:
 def observe(task: Task) -> str | None:
     """`assert call == want  # got value` for the first failing statement of the task's first F2P
     test, run in a sandbox of the task's image; None when nothing fails there."""
+    from envs import engine
+
+    if not engine.image_exists(task.image):
+        raise RuntimeError(f"task image {task.image} is gone (removed since the factory built it): delete the "
+                           f"factory's run folder (for the demo, run_dir/factory) and run again to rebuild it")
     path, _, name = task.f2p[0].partition("::")
     with Sandbox(task.image) as sb:
         r = sb.exec(["python3", "-I", "-c", PROBE, path, name], timeout=60, workdir="/workspace")
