@@ -90,10 +90,11 @@ class OPDConfig:
 @dataclass(kw_only=True)
 class DemoConfig:
     """Demo sizes and budgets. Each learning stage has a step budget and a wall-clock cap (`make demo`
-    <= 20 minutes). On a 2-core machine RL (95-120 of 120 steps measured), SFT (77-98 of 200) and
-    OPD (about 46 of 90) stop at or near their caps, so results depend on the machine's speed:
-    held-out A moved 0.56 -> 0.46 between steps 85 and 96 of seed 0's bit-identical SFT trajectory.
-    A loaded machine hits every cap sooner (the summaries give the steps run).
+    <= 20 minutes). On a 2-core machine SFT (68-76 of 200 steps in session 7's seeds), RL (80-89 of
+    120), the student's SFT (58-66 of 330) and OPD (39-43 of 90) stop at their caps, so how far each
+    gets depends on the machine's speed. With a constant learning rate that moved results as much as
+    the seed did (held-out A 0.41 or 0.56 after 80 or 85 steps of seed 0's one SFT trajectory); SFT's
+    learning rate now decays over whichever budget binds (SFTConfig.lr_floor), so it ends annealed.
     On a GPU (`model=small cluster=h200`) set the caps and `steps=0` for the time you have."""
 
     seed: int = 0  # experiment=demo sets it from trainer.seed
@@ -114,18 +115,19 @@ class DemoConfig:
     n_train_a: int = 5000
     n_train_b: int = 300
     n_heldout: int = 150
-    # held-out prompts decoded speculatively to measure DSpark acceptance (24 in the README's runs; 16
-    # gives back ~15 s for margin under 20 minutes: the untrained policy always decodes all 16 tokens)
+    # held-out prompts decoded speculatively to measure DSpark acceptance (8: about 10 s less per
+    # policy evaluation than 16, for the factory stage's minute and a half inside 20 minutes)
     n_acceptance: int = 8
     sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=200, seconds=200.0))
-    # RL: 120 steps took 260-271 s on a quiet machine (seeds 1, 2); the cap was 280 s in the README's runs
+    # RL: 120 steps took 260-271 s on a quiet machine (session 5); the 245 s cap stopped it at 80-89
     rl: RLConfig = field(default_factory=lambda: RLConfig(steps=120, seconds=245.0))
     # The student: SFT alone (the SFT-only student), then OPD continues from its weights (the OPD
     # student). The half-width student's SFT flattens: 100 s more SFT after 160 s measured 0.475 /
     # 0.270 held-out A / B against 0.475 / 0.250 (seed 0, a loaded machine), so the comparison is OPD
     # against SFT alone, not against a student stopped early. OPD gains with steps (OPDConfig) and is
     # asynchronous like RL; with 120 s of SFT instead of 160 the student fell to 0.320 / 0.225
-    # (seed 0), so SFT keeps 150 s and OPD gets 120 s.
+    # (seed 0), so SFT keeps 140 s and OPD gets 110 s. The student's SFT keeps a constant learning
+    # rate: decayed over 140 s, its 60 steps reached only 0.19 / 0.12 (seed 0, a slow machine).
     student_sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=330, seconds=140.0, lr_floor=1.0))
     opd: OPDConfig = field(default_factory=lambda: OPDConfig(steps=90, seconds=110.0))
 
