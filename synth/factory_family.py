@@ -88,9 +88,8 @@ def build_sample_tasks(out_dir: Path, budget: int, seed: int, progress: bool = T
 
 
 def heldout_ids(task_ids: list[str], heldout_share: float) -> set[str]:
-    """round(share x n) of the ids, taken in the order of their hashes: a fixed split that does not
-    depend on which other tasks exist, with the same share whatever n (a coin per task left a
-    seed with 7 train tasks and none held out)."""
+    """The first round(share x n) ids in the order of their hashes: a deterministic split with the
+    share kept whatever n (a coin per task left one seed with 7 train tasks and none held out)."""
     ranked = sorted(task_ids, key=lambda t: hashlib.sha256(t.encode()).hexdigest())
     return set(ranked[: round(heldout_share * len(ranked))])
 
