@@ -219,7 +219,8 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
         ]
     if stages["factory"] and not stages["factory"]["summary"].get("off"):
         f = stages["factory"]["summary"]
-        funnel = ", ".join(f"{name} {row.get('out', '?')}" for name, row in f["funnel"].items())
+        order = ("ingest", "feasibility", "specify", "build", "solve", "inspect")  # synth/runner.py's STAGES
+        funnel = ", ".join(f"{name} {f['funnel'][name].get('out', '?')}" for name in order if name in f["funnel"])
         lines += [
             "## Family F: the environment factory on the sample repository",
             "",
@@ -233,7 +234,8 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
     if stages["sft"]:
         s = stages["sft"]["summary"]
         lines += [
-            "## SFT on family A",
+            "## SFT on family A" + (" (and family F's train demonstrations)" if stages["factory"]
+                                    and stages["factory"]["summary"].get("F_train") else ""),
             "",
             f"{s['steps']} steps, {s['tokens']} tokens in {s['seconds']:.0f} s: "
             f"**{s['tok_s']:.0f} training tokens/s**; loss {s['first_loss']:.2f} -> {s['last_loss']:.2f} "
