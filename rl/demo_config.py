@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 # The recommended demo policy: `tiny` with 4 layers and 2 mHC streams (the V4.1 parts stay on), as
 # conf/model/tiny_demo.yaml gives it to `make demo`.
 DEMO_OVERRIDES: dict = {"n_layers": 4, "hc_mult": 2}
+# The demo's task families, in report order, with what each holds (F: demo.factory_budget > 0)
+TASK_FAMILIES = {"A": "demonstrations", "B": "tests only", "F": "factory, sample repository"}
 
 
 @dataclass
@@ -106,7 +108,7 @@ class DemoConfig:
     # The student: the policy at 1/student_shrink of its width (dim and moe_inter_dim)
     student_shrink: int = 2
     # family F: tasks the factory builds from the bundled sample repository (synth/factory_family.py);
-    # factory_budget tasks wanted out of its inspector (about 9 s per accepted task on 2 cores; budget 4 gives 6-8),
+    # factory_budget tasks wanted out of its inspector (9-12 s per accepted task on 2 cores; budget 4 gave 6-7),
     # split train / held-out by task id; each SFT batch takes factory_demos_per_batch of the train
     # tasks' solver demonstrations (0 with factory_budget 0: no factory stage)
     factory_budget: int = 4
@@ -115,8 +117,8 @@ class DemoConfig:
     n_train_a: int = 5000
     n_train_b: int = 300
     n_heldout: int = 150
-    # held-out prompts decoded speculatively to measure DSpark acceptance (8: about 10 s less per
-    # policy evaluation than 16, for the factory stage's minute and a half inside 20 minutes)
+    # held-out prompts decoded speculatively to measure DSpark acceptance (8, halved from 16 to make
+    # room for the factory stage inside 20 minutes)
     n_acceptance: int = 8
     sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=200, seconds=200.0))
     # RL: 120 steps took 260-271 s on a quiet machine (session 5); the 245 s cap stopped it at 80-89

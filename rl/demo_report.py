@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from rl.demo_config import TASK_FAMILIES
+
 STAGES = (
     "sandbox_check",
     "families",
@@ -50,12 +52,9 @@ def _save(fig, out_dir: Path, name: str, files: list[str]) -> None:
     files.append(name)
 
 
-FAMILY_LABELS = {"A": "demonstrations", "B": "tests only", "F": "factory, sample repository"}
-
-
 def _fams(evals: dict) -> list[str]:
     """Families every evaluation scored (F only in runs with the factory stage)."""
-    return [f for f in FAMILY_LABELS if all(f in e for e in evals.values())]
+    return [f for f in TASK_FAMILIES if all(f in e for e in evals.values())]
 
 
 def _plot_pass(plt, evals: dict, out_dir: Path, files: list[str]) -> None:
@@ -65,7 +64,7 @@ def _plot_pass(plt, evals: dict, out_dir: Path, files: list[str]) -> None:
     for j, fam in enumerate(fams):
         vals = [evals[lab][fam] for lab in labels]
         xs = [i + (j - (len(fams) - 1) / 2) * width for i in range(len(labels))]
-        ax.bar(xs, vals, width=width, label=f"family {fam} ({FAMILY_LABELS[fam]})")
+        ax.bar(xs, vals, width=width, label=f"family {fam} ({TASK_FAMILIES[fam]})")
         for x, v in zip(xs, vals):
             ax.text(x, v + 0.01, f"{v:.2f}", ha="center", fontsize=7)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
@@ -202,7 +201,7 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
             "## Held-out pass@1 (greedy, real grading)",
             "",
             "| stage | parameters (no drafter) | "
-            + " | ".join(f"family {f} ({FAMILY_LABELS[f]})" for f in fams) + " |",
+            + " | ".join(f"family {f} ({TASK_FAMILIES[f]})" for f in fams) + " |",
             "|---|---|" + "---|" * len(fams),
         ]
         lines += [

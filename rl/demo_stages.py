@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-from rl.demo_config import DemoConfig
+from rl.demo_config import TASK_FAMILIES, DemoConfig
 
 SETS = ("families", "factory")  # stages whose instances.json and tasks.json the learning stages read
 
@@ -53,7 +53,7 @@ def _tasks(run_dir: Path) -> dict:
 
 def _families(sets: dict) -> tuple[str, ...]:
     """The families with held-out instances: A, B and, when the factory gave any, F."""
-    return tuple(f for f in ("A", "B", "F") if sets.get(f"{f}_heldout"))
+    return tuple(f for f in TASK_FAMILIES if sets.get(f"{f}_heldout"))
 
 
 def families_stage(cfg: DemoConfig, stage_dir: Path) -> dict:

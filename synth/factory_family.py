@@ -35,7 +35,8 @@ from envs.sandbox import Sandbox
 from envs.task import Task
 from synth.config import FactoryOptions
 from synth.families import Instance, gold_action
-from synth.records import FeasibleRepo, SpecRecord, StageStore, TaskRecord
+from synth.mutations import Mutation, apply
+from synth.records import FeasibleRepo, StageStore, TaskRecord
 
 MAX_PROMPT_CHARS = 600  # numbered function + observation; ~200 tokens, inside the demo's 256-token rows
 MAX_FUNCTION_LINES = 16
@@ -108,7 +109,8 @@ def _lines(text: str, span: tuple[int, int]) -> str:
 
 
 def _apply(files: dict[str, str], patch: str) -> dict[str, str]:
-    """`files` with a one-file `git diff` applied (the solver's and the gold patches are such)."""
+    """`files` with a one-file `git diff` applied (a solver's patch; the mutation itself is applied in
+    process by synth.mutations.apply)."""
     import subprocess
     import tempfile
 
@@ -142,24 +144,24 @@ def observe(task: Task) -> str | None:
 def factory_instances(out_dir: Path, heldout_share: float = 0.5) -> tuple[list[Instance], dict[str, Task], dict]:
     """Family F instances of the accepted tasks in factory folder `out_dir`, their grading Tasks by
     iid, and {task id: why} for the tasks left out."""
-    specs = StageStore(out_dir, "specify", SpecRecord).load()
     repos = StageStore(out_dir, "feasibility", FeasibleRepo).load()
     accepted = sorted((r for r in StageStore(out_dir, "inspect", TaskRecord).load().values() if r.ok),
                       key=lambda r: r.key)  # fmt: skip
     instances, tasks, left_out = [], {}, {}
     for rec in accepted:
-        task, m, spec = Task.from_dict(rec.task), rec.mutation, specs.get(rec.key)
-        if not m or spec is None or rec.overrides:
+        task = Task.from_dict(rec.task)
+        if not rec.mutation or rec.overrides:
             left_out[task.task_id] = "not an AST mutation of one file"  # inverted commits: many files
             continue
-        path, func = m["path"], m.get("function", "")
-        broken = _apply({path: (Path(rec.repo_path) / path).read_text()}, spec.bug_patch)[path]
+        m = Mutation(**rec.mutation)
+        path, func = m.path, m.function
+        fixed = (Path(rec.repo_path) / path).read_text()  # the gold patch takes the mutant back to this
+        broken = apply(fixed, m)
         span = _function(broken, func) if func else None
         solution = rec.solutions.get("search") or next(iter(rec.solutions.values()), "")
         if span is None or span[1] - span[0] > MAX_FUNCTION_LINES or not solution:
             left_out[task.task_id] = "bug not in a short top-level function, or no solver solution"
             continue
-        fixed = _apply({path: broken}, task.gold_patch)[path]
         solved = _apply({path: broken}, solution)[path]
         if _function(fixed, func) != span or _function(solved, func) != span:
             left_out[task.task_id] = "the fix changes the function's length"
@@ -174,16 +176,16 @@ def factory_instances(out_dir: Path, heldout_share: float = 0.5) -> tuple[list[I
         inst = Instance(
             iid=iid, family="F", split="", template=-1, func=func,
             correct=_lines(solved, span), buggy=buggy_fn, tests=(), first_fail=first_fail or "",
-            action=demo, kind=m.get("kind", ""), path=path, offset=span[0], file=broken,
+            action=demo, kind=m.kind, path=path, offset=span[0], file=broken,
         )  # fmt: skip
         if first_fail is None or len(inst.prompt) > MAX_PROMPT_CHARS:
             left_out[task.task_id] = "no failing assert observed" if first_fail is None else "prompt too long"
             continue
         instances.append(inst)
-        repo = repos.get(task.repo)
+        repo = repos[task.repo]
         tasks[iid] = dataclasses.replace(
-            task, image=repo.image if repo else spec.repo_image, image_digest="",
-            verification={**task.verification, "sources": sorted(repo.source_files) if repo else [path],
+            task, image=repo.image, image_digest="",
+            verification={**task.verification, "sources": sorted(repo.source_files),
                           "grading": "batch on the pristine image", "timeout_s": GRADE_TIMEOUT_S},
         )  # fmt: skip
     held = heldout_ids([i.iid for i in instances], heldout_share)
