@@ -122,7 +122,7 @@ class DemoConfig:
     n_acceptance: int = 8
     sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=200, seconds=200.0))
     # RL: 120 steps took 260-271 s on a quiet machine (session 5); the 245 s cap stopped it at 80-89
-    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=120, seconds=245.0))
+    rl: RLConfig = field(default_factory=lambda: RLConfig(steps=140, seconds=300.0))
     # The student: SFT alone (the SFT-only student), then OPD continues from its weights (the OPD
     # student). The half-width student's SFT flattens: 100 s more SFT after 160 s measured 0.475 /
     # 0.270 held-out A / B against 0.475 / 0.250 (seed 0, a loaded machine), so the comparison is OPD

@@ -52,9 +52,9 @@ def _serve(args, threads: int, device: str, tf32: bool, requests, results) -> No
                 engine.load_state_dict(state, version)
                 results.put(("ok", version))
             else:
-                insts, n, temperature, seed = payload
+                insts, n, temperature, seed, stop_when = payload
                 t0 = time.perf_counter()
-                gens = generate(engine, template, insts, n, temperature, seed)
+                gens = generate(engine, template, insts, n, temperature, seed, stop_when=stop_when)
                 results.put(("gens", (gens, time.perf_counter() - t0)))
         except Exception:  # the learner raises it: a dead worker must not leave the loop waiting
             results.put(("error", traceback.format_exc()))
@@ -99,8 +99,10 @@ class RolloutProcess:
         self._requests.put(("weights", (version, {k: v.detach().clone() for k, v in state.items()})))
         self._pending.append("ok")
 
-    def submit(self, insts: list, n: int, temperature: float, seed: int) -> None:
-        self._requests.put(("generate", (insts, n, temperature, seed)))
+    def submit(self, insts: list, n: int, temperature: float, seed: int, stop_when=None) -> None:
+        """Queue a generate job (rl.demo_learning.generate's arguments; `stop_when` must be a module-level
+        function: it travels by name)."""
+        self._requests.put(("generate", (insts, n, temperature, seed, stop_when)))
         self._pending.append("gens")
 
     def wait_ready(self) -> None:

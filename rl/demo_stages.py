@@ -180,7 +180,7 @@ def eval_stage(
     """Greedy held-out pass@1 on families A and B; with `acceptance`, also the DSpark drafter's
     acceptance in real speculative decoding of cfg.n_acceptance held-out prompts."""
     from rl.demo_dspark import speculative_acceptance
-    from rl.demo_learning import device_of, evaluate
+    from rl.demo_learning import device_of, evaluate_families
 
     sets, tasks = _instances(run_dir), _tasks(run_dir)
     model, template = _policy(cfg, run_dir / checkpoint if checkpoint else None, student=student)
@@ -191,8 +191,8 @@ def eval_stage(
         "device": str(dev) if dev.type == "cuda" else f"cpu, {cfg.threads} threads",
     }
     with _pool() as pool:
-        for fam in _families(sets):
-            r = evaluate(model, template, sets[f"{fam}_heldout"], tasks, pool, progress=f"  family {fam}")
+        held_out = {fam: sets[f"{fam}_heldout"] for fam in _families(sets)}
+        for fam, r in evaluate_families(model, template, held_out, tasks, pool).items():
             _gauges().held_out(stage, fam, r["pass@1"])
             out[fam] = r["pass@1"]
             out[f"{fam}_detail"] = r
