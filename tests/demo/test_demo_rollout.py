@@ -80,10 +80,12 @@ def test_leaving_with_unread_requests_does_not_hold_up_exit():
     assert done.returncode == 0 and done.stdout.strip() == "left", done.stderr[-2000:]
 
 
-def test_split_evaluation_answers_as_one_process_does():
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_evaluation_answers_as_one_process_does(device):
     # greedy_families answers the largest family in a helper process and the others here, each on one
     # thread: the answers must be this process's own greedy answers, family by family
     model, template, _ = build_policy(seed=5)
+    model.to(device)
     splits = demo_splits(0, 0, 6)
     families = {"A": splits["A_heldout"], "B": splits["B_heldout"][:4]}
     threads = torch.get_num_threads()
@@ -92,7 +94,7 @@ def test_split_evaluation_answers_as_one_process_does():
     assert set(gen_s) == {"A", "B"} and all(s > 0 for s in gen_s.values())
     model.eval()
     for fam, insts in families.items():
-        engine = InferenceEngine(model, template, max_sessions=64)
+        engine = InferenceEngine(model, template, max_sessions=64, device=device)
         want = generate(engine, template, insts, 1, 0.0, seed=0, stop_when=action_ruled_out)
         assert [g.token_ids for g in gens[fam]] == [g.token_ids for g in want], fam
     assert any(g.finish_reason == "stop" and g.stop is None for g in gens["A"])  # stop_when reached the helper
