@@ -124,13 +124,19 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # (uncoalesced per instruction): on the H200 it won for the E4M3/16 unpack (58% of HBM against 47%)
 # and lost for the fake quant (MXFP4 62% against 80%). Its FP4 pack has the leanest code (sm_90 SASS
 # per element: E4M3/16 14 vs 21 for pairs, MXFP4 10.7 vs 13.6) and the best H200 times, 128 MiB bf16
-# (bench/kernels.py): E4M3/16 68% of HBM (pairs 64%), MXFP4 73.5% at 64 groups / 2 warps (pairs 67%);
-# smaller tiles than 64 and larger than 256 lose. The FP8 pack reaches 80%, a d2d copy 89%.
+# (bench/kernels.py): E4M3/16 68-71% of HBM (pairs 64%), MXFP4 74-76% at 64 groups / 2 warps (pairs
+# 67%); smaller tiles than 64 and larger than 256 lose. The FP8 pack reaches 80%, a d2d copy 89%. Its
+# loads evict first (x is read once: +1.5% E4M3/16, +3% MXFP4), and "pack_amax2" (per format) takes
+# the amax by packed 16-bit max-abs on the loaded words (`_group_amax_words`): E4M3/16 +2%, MXFP4 -1%
+# (off). The layout's memory pattern bounds it: the same loads and stores with no arithmetic reach
+# only 75.7% (E4M3/16). Slower on the H200: a TMA tile (coalesced, read back from shared memory; E4M3/16
+# 56-63%, MXFP4 65-71%), grid-stride loops (68%; Triton-pipelined 44%), 2-4 threads per group (55-72%).
 _PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
 _UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
 CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,
           "groups": True, "qdq_groups": {FMT_FP8: None, FMT_FP4_E4M3: None, FMT_MXFP4: None},
-          "pack_groups": _PACK_GROUPS, "unpack_groups": _UNPACK_GROUPS}  # fmt: skip
+          "pack_groups": _PACK_GROUPS, "unpack_groups": _UNPACK_GROUPS,
+          "pack_amax2": {FMT_FP4_E4M3: True, FMT_MXFP4: False}}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,6 +244,37 @@ def _halves_of_words(w, SRC: tl.constexpr):
 
 
 @triton.jit
+def _maxabs_words(a, b, SRC: tl.constexpr):
+    """max(|a|, |b|) per 16-bit half of int32 words of bf16 (SRC 0) / fp16 (1) pairs, one packed
+    instruction for two elements (PTX max.xorsign.abs); the result's sign bits are junk (the xor of the
+    inputs'). Exact: a max picks one of its inputs. Under the interpreter, the same on the magnitude bits."""
+    if INTERPRET:
+        r = tl.maximum(a & 0x7FFF, b & 0x7FFF) | (tl.maximum((a >> 16) & 0x7FFF, (b >> 16) & 0x7FFF) << 16)
+    elif SRC == 0:
+        r = tl.inline_asm_elementwise("max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    else:
+        r = tl.inline_asm_elementwise("max.xorsign.abs.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    return r
+
+
+@triton.jit
+def _group_amax_words(w0, w1, w2, w3, BLOCK: tl.constexpr, SRC: tl.constexpr):
+    """amax (fp32 [R]) of groups held as [R, 4] word chunks w0..w3 (w2, w3 only for BLOCK 32), one row per
+    thread, by `_maxabs_words`: 5 (BLOCK 16) / 7 (32) packed max-abs and one fp32 max per group instead of
+    15 / 31 fp32 maxes on the unpacked halves."""
+    m = _maxabs_words(w0, w1, SRC)
+    if BLOCK == 32:
+        m = _maxabs_words(m, _maxabs_words(w2, w3, SRC), SRC)
+    m02, m13 = tl.split(tl.reshape(m, (m.shape[0], 2, 2)))
+    m0, m2 = tl.split(m02)
+    m1, m3 = tl.split(m13)
+    e, o = _halves_of_words(_maxabs_words(_maxabs_words(m0, m1, SRC), _maxabs_words(m2, m3, SRC), SRC), SRC)
+    return tl.maximum(tl.abs(e), tl.abs(o))
+
+
+@triton.jit
 def _e2m1_lowbits(x, r_R, FMT: tl.constexpr):
     """x (fp32 [R]) times the group's multiplier r -> int32 whose low 4 bits are the E2M1 magnitude code
     (bit 3 clear; higher bits junk), via `_e2m1_parts`' add. MXFP4: r = 2^-e is exact and |x·r| <= 6·(1+2^-23)
@@ -304,29 +341,37 @@ def _approx_div(x, y):
 @triton.jit
 def _fp4_pack_groups_kernel(
     xw_ptr, q_ptr, s_ptr, n_groups,
-    FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SRC: tl.constexpr,
+    FMT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SRC: tl.constexpr, AMAX2: tl.constexpr,
 ):  # fmt: skip
     """FP4 quantise+pack of 16-bit x with ONE THREAD PER GROUP: the group is loaded as BLOCK/8 chunks
     of 4 words (16 bytes each, [R, 4] tensors that Triton lays out one row per thread), so the amax,
     the scale and its multiplier are computed once per group with no cross-thread shuffles, and the
-    group's packed bytes leave as one (E4M3/16) or two (MXFP4/32) 8-byte stores. q is viewed as int64."""
+    group's packed bytes leave as one (E4M3/16) or two (MXFP4/32) 8-byte stores. q is viewed as int64.
+    The loads evict first (x is read once). AMAX2: the amax by `_group_amax_words`."""
     pid = tl.program_id(0)
     g_R = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mask_R = g_R < n_groups
     WPG: tl.constexpr = BLOCK // 2
     offs_R4 = g_R[:, None] * WPG + tl.arange(0, 4)[None, :]
-    w0 = tl.load(xw_ptr + offs_R4, mask=mask_R[:, None], other=0)
-    w1 = tl.load(xw_ptr + offs_R4 + 4, mask=mask_R[:, None], other=0)
-    e0, o0 = _halves_of_words(w0, SRC)
-    e1, o1 = _halves_of_words(w1, SRC)
-    amax = tl.maximum(tl.maximum(tl.abs(e0), tl.abs(o0)), tl.maximum(tl.abs(e1), tl.abs(o1)))
+    w0 = tl.load(xw_ptr + offs_R4, mask=mask_R[:, None], other=0, eviction_policy="evict_first")
+    w1 = tl.load(xw_ptr + offs_R4 + 4, mask=mask_R[:, None], other=0, eviction_policy="evict_first")
     if BLOCK == 32:
-        w2 = tl.load(xw_ptr + offs_R4 + 8, mask=mask_R[:, None], other=0)
-        w3 = tl.load(xw_ptr + offs_R4 + 12, mask=mask_R[:, None], other=0)
-        e2, o2 = _halves_of_words(w2, SRC)
-        e3, o3 = _halves_of_words(w3, SRC)
-        amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.abs(e2), tl.abs(o2)), tl.maximum(tl.abs(e3), tl.abs(o3))))
-    s_R = _group_scale(tl.max(amax, axis=1), FMT, True)
+        w2 = tl.load(xw_ptr + offs_R4 + 8, mask=mask_R[:, None], other=0, eviction_policy="evict_first")
+        w3 = tl.load(xw_ptr + offs_R4 + 12, mask=mask_R[:, None], other=0, eviction_policy="evict_first")
+    else:
+        w2, w3 = w0, w1
+    if AMAX2:
+        amax_R = _group_amax_words(w0, w1, w2, w3, BLOCK, SRC)
+    else:
+        e0, o0 = _halves_of_words(w0, SRC)
+        e1, o1 = _halves_of_words(w1, SRC)
+        amax = tl.maximum(tl.maximum(tl.abs(e0), tl.abs(o0)), tl.maximum(tl.abs(e1), tl.abs(o1)))
+        if BLOCK == 32:
+            e2, o2 = _halves_of_words(w2, SRC)
+            e3, o3 = _halves_of_words(w3, SRC)
+            amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.abs(e2), tl.abs(o2)), tl.maximum(tl.abs(e3), tl.abs(o3))))
+        amax_R = tl.max(amax, axis=1)
+    s_R = _group_scale(amax_R, FMT, True)
     tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
     if FMT == 1:
         # (1 + 2^-14) / s; within 2 ulp is ample for `_e2m1_lowbits` (the margins are 2^-14 / 2^-13)
@@ -527,8 +572,9 @@ def quantize_packed(x: torch.Tensor, fmt: int, block: int | None = None) -> tupl
             grid = (triton.cdiv(n_groups, rows),)
             src = 0 if x.dtype == torch.bfloat16 else 1
             opts = _launch_opts(tile["num_warps"])
+            amax2 = CONFIG["pack_amax2"][fmt]
             _fp4_pack_groups_kernel[grid](xw, q.view(torch.int64), s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows,
-                                          SRC=src, **opts)  # fmt: skip
+                                          SRC=src, AMAX2=amax2, **opts)  # fmt: skip
             return q, s
     if fmt != FMT_FP8 and CONFIG["pairs"]:
         src = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
