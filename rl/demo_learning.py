@@ -291,7 +291,7 @@ def evaluate(
     """Greedy pass@1 on held-out instances, graded by the real grader. An answer stops as soon as
     `action_ruled_out` rejects it (it would score 0 at any length); `ruled_out` counts those."""
     t0 = time.perf_counter()
-    gens = _greedy(model, template, insts, progress)
+    gens = greedy_answers(model, template, insts, progress)
     return _score(template, insts, gens, time.perf_counter() - t0, tasks, pool)
 
 
@@ -313,9 +313,10 @@ def greedy_families(
 
     Why: the demo policy's decode steps are bound by per-op overhead, so a second thread gains nothing
     (150 answers: 12.1 s on two threads, 10-14 s on one) while a second process nearly halves the time
-    (families A, B and F of a seed-0 SFT policy: 24.3 s in turn, 13.4 s split, the helper's 2.6 s
-    start included). Both sides decode greedily with the same weights; only a thread count can move a
-    float sum in its last bit, which could break an exact tie differently."""
+    (bench/demo_eval.py on a seed-0 SFT policy, families A, B and F: 30.0 s in turn on two threads, 16.4 s
+    split, the helper's start included; the same answers). Both sides decode greedily with the same
+    weights; only a thread count can move a float sum in its last bit, which could break an exact tie
+    differently."""
     from rl.demo_rollout import RolloutProcess
 
     big = max(families, key=lambda f: len(families[f]))
@@ -325,7 +326,7 @@ def greedy_families(
     if not here or (dev.type == "cpu" and (os.cpu_count() or 1) < 2):  # nothing to split, or one core
         for f, insts in families.items():
             t0 = time.perf_counter()
-            gens[f] = _greedy(model, template, insts, f"  family {f}" if progress else None)
+            gens[f] = greedy_answers(model, template, insts, f"  family {f}" if progress else None)
             gen_s[f] = time.perf_counter() - t0
         return gens, gen_s
     threads = torch.get_num_threads()
@@ -337,14 +338,17 @@ def greedy_families(
             for f in here:
                 t0 = time.perf_counter()
                 label = f"  family {f} (family {big} in a helper process)" if progress else None
-                gens[f], gen_s[f] = _greedy(model, template, families[f], label), time.perf_counter() - t0
+                gens[f], gen_s[f] = greedy_answers(model, template, families[f], label), time.perf_counter() - t0
             gens[big], gen_s[big] = helper.result(), helper.last_gen_s
         finally:
             torch.set_num_threads(threads)
     return gens, gen_s
 
 
-def _greedy(model: Transformer, template: ChatTemplate, insts: list[Instance], progress: str | None) -> list:
+def greedy_answers(
+    model: Transformer, template: ChatTemplate, insts: list[Instance], progress: str | None = None
+) -> list:
+    """Greedy answers to insts in this process (an answer stops once action_ruled_out rejects it)."""
     engine = InferenceEngine(model, template, max_sessions=64, device=device_of(model))
     gens = generate(engine, template, insts, 1, 0.0, seed=0, stop_when=action_ruled_out, progress=progress)
     model.train()

@@ -177,7 +177,8 @@ def eval_stage(
     student: bool = False,
     acceptance: bool = True,
 ) -> dict:
-    """Greedy held-out pass@1 on families A and B; with `acceptance`, also the DSpark drafter's
+    """Greedy held-out pass@1 on every family (A, B and F when the factory ran; the answers come from two
+    processes, rl.demo_learning.greedy_families); with `acceptance`, also the DSpark drafter's
     acceptance in real speculative decoding of cfg.n_acceptance held-out prompts."""
     from rl.demo_dspark import speculative_acceptance
     from rl.demo_learning import device_of, evaluate_families

@@ -53,12 +53,13 @@ def test_demo_follows_model_and_seed_and_types_its_budgets():
     from hydra.errors import ConfigCompositionException
 
     from model.config import get_flavor
+    from rl.demo_config import DemoConfig
     from rl.demo_learning import demo_args
 
     job = to_job_config(_compose("train", ["experiment=demo"]))
     demo = job.demo
     assert (job.entry, demo.flavor, demo.overrides, demo.seed) == ("demo", "tiny", {"n_layers": 4, "hc_mult": 2}, 0)
-    assert job.demo.rl.steps == 120 and job.demo.device == "auto"  # DemoConfig's defaults, not repeated in YAML
+    assert job.demo.rl == DemoConfig().rl and job.demo.device == "auto"  # DemoConfig's defaults, not repeated in YAML
     overrides = ["experiment=demo", "model=small", "trainer.seed=3", "demo.rl.seconds=5", "demo.device=cpu"]
     job = to_job_config(_compose("train", overrides))
     assert (job.demo.flavor, job.demo.overrides, job.demo.seed, job.demo.rl.seconds) == ("small", {}, 3, 5.0)
