@@ -5,7 +5,8 @@
 
 What an evaluation stage generates, timed without grading (no Docker needed): greedy answers to every
 held-out family of the run (A, B and F when the factory ran), with the checkpoint's weights.
-  in_turn: each family in turn in this process, on `--threads` threads (the evaluation before the split);
+  in_turn: greedy_families(split=False): each family in turn in this process, on `--threads` threads
+           (the evaluation before the split);
   split:   greedy_families: the largest family in a helper process, the rest here, one thread each
            (the helper's start and weight transfer included).
 The two run alternately in one process, `--repeats` times each. Rows: {bench: "demo_eval", mode,
@@ -35,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
 
     from rl.demo_config import DemoConfig
-    from rl.demo_learning import greedy_answers, greedy_families
+    from rl.demo_learning import greedy_families
     from rl.demo_stages import _families, _instances, _policy
 
     run = Path(args.run_dir)
@@ -48,21 +49,14 @@ def main() -> None:
     cfg = DemoConfig(threads=args.threads)
     model, template = _policy(cfg, run / args.checkpoint)
 
-    def in_turn():
-        gens, secs = {}, {}
-        for f, insts in families.items():
-            t0 = time.perf_counter()
-            gens[f], secs[f] = greedy_answers(model, template, insts, None), time.perf_counter() - t0
-        return gens, secs
-
-    modes = {"in_turn": in_turn, "split": lambda: greedy_families(model, template, families)}
+    modes = {"in_turn": False, "split": True}
     times: dict[str, list[float]] = {m: [] for m in modes}
     answers: dict[str, list] = {}
     for r in range(args.repeats):
-        for mode, fn in modes.items():
+        for mode, split in modes.items():
             torch.set_num_threads(args.threads)
             t0 = time.perf_counter()
-            gens, secs = fn()
+            gens, secs = greedy_families(model, template, families, split=split)
             dt = time.perf_counter() - t0
             times[mode].append(dt)
             answers.setdefault(mode, [g.token_ids for f in families for g in gens[f]])

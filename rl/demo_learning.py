@@ -16,6 +16,7 @@ Not here: the stage wiring (rl/demo.py) or the measurement script (bench/demo_le
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -305,41 +306,39 @@ def evaluate_families(
 
 
 def greedy_families(
-    model: Transformer, template: ChatTemplate, families: dict[str, list[Instance]], progress: bool = False
-) -> tuple[dict[str, list], dict[str, float]]:
-    """Greedy answers to every family's instances (and seconds per family), in two processes: the
-    largest family in a helper process (rl.demo_rollout.RolloutProcess, one thread) while this process
-    answers the others on one thread.
+    model: Transformer, template: ChatTemplate, families: dict[str, list[Instance]], progress: bool = False,
+    split: bool = True,
+) -> tuple[dict[str, list], dict[str, float]]:  # fmt: skip
+    """Greedy answers to every family's instances (and seconds per family). With `split` (and more than
+    one family, and a GPU or two cores) in two processes: the largest family in a helper process
+    (rl.demo_rollout.RolloutProcess, one thread) while this process answers the others on one thread;
+    else every family in turn here, on this process's threads.
 
-    Why: the demo policy's decode steps are bound by per-op overhead, so a second thread gains nothing
-    (150 answers: 12.1 s on two threads, 10-14 s on one) while a second process nearly halves the time
-    (bench/demo_eval.py on a seed-0 SFT policy, families A, B and F: 30.0 s in turn on two threads, 16.4 s
-    split, the helper's start included; the same answers). Both sides decode greedily with the same
-    weights; only a thread count can move a float sum in its last bit, which could break an exact tie
-    differently."""
+    Why split: the demo policy's decode steps are bound by per-op overhead, so a second thread gains
+    little while a second process nearly halves the time (bench/demo_eval.py on a seed-0 SFT policy,
+    families A, B and F: 30.0 s in turn on two threads, 16.4 s split, the helper's start included; the
+    same answers). Both sides decode greedily with the same weights; only a thread count can move a
+    float sum in its last bit, which could break an exact tie differently."""
     from rl.demo_rollout import RolloutProcess
 
     big = max(families, key=lambda f: len(families[f]))
-    here = [f for f in families if f != big]
-    gens, gen_s = {}, {}
     dev = device_of(model)
-    if not here or (dev.type == "cpu" and (os.cpu_count() or 1) < 2):  # nothing to split, or one core
-        for f, insts in families.items():
-            t0 = time.perf_counter()
-            gens[f] = greedy_answers(model, template, insts, f"  family {f}" if progress else None)
-            gen_s[f] = time.perf_counter() - t0
-        return gens, gen_s
-    threads = torch.get_num_threads()
-    with RolloutProcess(model.args, threads=1, device=dev) as helper:
-        helper.send_weights(0, model.state_dict())
-        helper.submit(families[big], 1, 0.0, 0, stop_when=action_ruled_out)
-        torch.set_num_threads(1)
+    split = split and len(families) > 1 and (dev.type == "cuda" or (os.cpu_count() or 1) >= 2)
+    here = [f for f in families if f != big] if split else list(families)
+    gens, gen_s, threads = {}, {}, torch.get_num_threads()
+    with RolloutProcess(model.args, threads=1, device=dev) if split else contextlib.nullcontext() as helper:
+        if split:
+            helper.send_weights(0, model.state_dict())
+            helper.submit(families[big], 1, 0.0, 0, stop_when=action_ruled_out)
+            torch.set_num_threads(1)
         try:
             for f in here:
                 t0 = time.perf_counter()
-                label = f"  family {f} (family {big} in a helper process)" if progress else None
-                gens[f], gen_s[f] = greedy_answers(model, template, families[f], label), time.perf_counter() - t0
-            gens[big], gen_s[big] = helper.result(), helper.last_gen_s
+                label = f"  family {f}" + (f" (family {big} in a helper process)" if split else "")
+                gens[f] = greedy_answers(model, template, families[f], label if progress else None)
+                gen_s[f] = time.perf_counter() - t0
+            if split:
+                gens[big], gen_s[big] = helper.result(), helper.last_gen_s
         finally:
             torch.set_num_threads(threads)
     return gens, gen_s

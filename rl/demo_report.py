@@ -218,8 +218,10 @@ def _markdown(run_dir: Path, stages: dict, evals: dict, tput: list, files: list[
         ]
     if stages["factory"] and not stages["factory"]["summary"].get("off"):
         f = stages["factory"]["summary"]
-        order = ("ingest", "feasibility", "specify", "build", "solve", "inspect")  # synth/runner.py's STAGES
-        funnel = ", ".join(f"{name} {f['funnel'][name].get('out', '?')}" for name in order if name in f["funnel"])
+        from synth.runner import STAGES as FACTORY_STAGES  # the funnel in stage order (done.json sorts keys)
+
+        funnel = ", ".join(f"{st.NAME} {f['funnel'][st.NAME].get('out', '?')}" for st in FACTORY_STAGES
+                           if st.NAME in f["funnel"])  # fmt: skip
         lines += [
             "## Family F: the environment factory on the sample repository",
             "",
