@@ -294,13 +294,10 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
 
 def bench_attn(copy_bw: float, quick: bool) -> None:
 
+    split = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2}
+    decode_configs = [{**split, "SPLIT": "auto"}, {**split, "SPLIT": 1}, {**split, "SPLIT": 3},
+                      {**split, "BK": 32, "SPLIT": "auto"}, {**split, "num_stages": 1, "SPLIT": "auto"}]  # fmt: skip
     configs = [
-        {"kernel": "decode_t", "BH": 32, "BK": 64, "num_warps": 8, "num_stages": 2},
-        {"kernel": "decode_t", "BH": 32, "BK": 64, "num_warps": 4, "num_stages": 2},
-        {"kernel": "decode_t", "BH": 32, "BK": 32, "num_warps": 4, "num_stages": 3},
-        {"kernel": "decode_t", "BH": 64, "BK": 64, "num_warps": 8, "num_stages": 2},
-        {"kernel": "decode_t", "BH": 64, "BK": 32, "num_warps": 8, "num_stages": 3},
-        {"kernel": "decode_t", "BH": 16, "BK": 64, "num_warps": 4, "num_stages": 2},
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
         {"BH": 64, "BK": 32, "BDK": 64, "DV": 256, "num_warps": 4, "num_stages": 2},
@@ -312,12 +309,45 @@ def bench_attn(copy_bw: float, quick: bool) -> None:
     ]
     cases = [("decode", 64, 1, 2048)] + ([] if quick else [("train_fwd", 1, 2048, 4096)])
     for name, B, M, N in cases:
-        cfgs = configs if name == "decode" else [c for c in configs if "kernel" not in c]
+        cfgs = decode_configs + configs if name == "decode" else configs
         _bench_attn_case(name, B, M, N, cfgs, copy_bw)
         torch.cuda.empty_cache()
-    if not quick:  # --quick: the decode case only
+    _bench_attn_packed(copy_bw)
+    if not quick:  # --quick: the decode cases only
         _bench_attn_bwd(2048, copy_bw)
         torch.cuda.empty_cache()
+
+
+def _bench_attn_packed(copy_bw):
+    """Decode against a packed cache (B 64, H 64, 128 window + 512 packed FP4 main-KV entries of a
+    2048-entry bank): the kernel decoding the entries it gathers, against unpacking the bank first
+    (LayerCache.bank's torch unpack, then the dense kernel: the path without `ckv`), and against the
+    dense kernel on a bank already held unpacked."""
+    from kernels import sparse_attn as ks
+    from model.packed_cache import pack_main_kv, unpack_main_kv
+    from model.quant import fp4_e4m3_fake_quant
+
+    B, H, Dh, T, G, W, KC = 64, 64, 512, 128, 2048, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(B, 1, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    win = torch.randn(B, T, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    ckv = pack_main_kv(fp4_e4m3_fake_quant(torch.randn(B, G, Dh, device="cuda", generator=g)))
+    sink = torch.randn(H, device="cuda", generator=g)
+    top = torch.argsort(torch.rand(B, 1, G, device="cuda", generator=g), dim=-1)[..., :KC] + T
+    idxs = torch.cat([torch.arange(W, device="cuda").expand(B, 1, W), top], dim=-1).to(torch.int32).contiguous()
+    scale = Dh**-0.5
+    dense = torch.cat([win, unpack_main_kv(ckv, torch.bfloat16)], dim=1)
+    packed = lambda: ks.sparse_attn_fwd(q, win, sink, idxs, scale, ckv=ckv)
+    on_dense = lambda kv: ks.sparse_attn_fwd(q, kv, sink, idxs, scale)
+    unpack_then_dense = lambda: on_dense(torch.cat([win, unpack_main_kv(ckv, q.dtype)], 1))
+    nbytes = B * (W * Dh * 2 + KC * ckv.size(-1)) + 2 * q.numel() * 2 + idxs.numel() * 4
+    rec = {"kernel": "sparse_attn_decode_packed", "B": B, "H": H, "window": W, "packed_picks": KC, "bank": G,
+           "bytes_read": nbytes, "same_as_dense_on_unpacked": torch.equal(packed(), on_dense(dense)),
+           "packed": _rates(_bench(packed), nbytes, copy_bw=copy_bw),
+           "unpack_bank_then_dense_ms": round(_bench(unpack_then_dense), 5),
+           "dense_on_unpacked_ms": round(_bench(lambda: on_dense(dense)), 5)}  # fmt: skip
+    rec["speedup_vs_unpack_then_dense"] = round(rec["unpack_bank_then_dense_ms"] / rec["packed"]["ms"], 2)
+    _emit(rec)
 
 
 def _bench_attn_bwd(M, copy_bw):
@@ -376,7 +406,44 @@ def _bench_attn_case(name, B, M, N, configs, copy_bw):
     sweep = [(cfg, lambda cfg=cfg: ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg)) for cfg in configs]
     check = lambda o: round((o.float() - o_ref).abs().max().item(), 5)
     meta = {"B": B, "M": M, "H": H, "Dh": Dh, "K": K, "N": N, "max_abs_err_default_cfg": err}
-    _compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, **meta)
+    rounds = 3 if M == 1 else 1  # decode configs differ by a few us: rank them over rounds
+    _compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, rounds=rounds, **meta)
+    if M == 1:
+        _decode_bounds(kv, idxs, copy_bw)
+
+
+def _decode_bounds(kv, idxs, copy_bw):
+    """What the decode case's memory side can reach without its dots: the same rows gathered by a
+    probe kernel that only sums them (its best tile of a sweep: 16 programs per row, 64 rows per
+    load), and a device copy of as many bytes (read + write)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_rows_probe(idx_ptr, kv_ptr, o_ptr, N, K, DH: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr):
+        row, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        d_D = tl.arange(0, DH)
+        acc = tl.zeros((DH,), tl.float32)
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT), ROWS) * ROWS
+        for k0 in range(s * chunk, tl.minimum(K, (s + 1) * chunk), ROWS):
+            k_K = k0 + tl.arange(0, ROWS)
+            idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
+            ok_K = idx_K >= 0
+            rows_K = kv_ptr + (row * N + tl.where(ok_K, idx_K, 0)) * DH
+            x = tl.load(rows_K[:, None] + d_D[None, :], mask=ok_K[:, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32), axis=0)
+        tl.store(o_ptr + (s * tl.num_programs(0) + row) * DH + d_D, acc)
+
+    B, N, Dh = kv.shape
+    K = idxs.size(-1)
+    out = torch.empty(16, B, Dh, device=kv.device)
+    probe = lambda: gather_rows_probe[(B, 16)](idxs, kv, out, N, K, DH=Dh, ROWS=64, SPLIT=16, num_warps=4)
+    gathered = B * K * Dh * kv.element_size()
+    src = torch.empty(gathered, dtype=torch.uint8, device=kv.device)
+    dst = torch.empty_like(src)
+    _emit({"kernel": "sparse_attn_decode_bounds", "bytes_gathered": gathered,
+           "gather_only_probe": _rates(_bench(probe), gathered, copy_bw=copy_bw),
+           "copy_same_bytes": _rates(_bench(lambda: dst.copy_(src)), 2 * gathered, copy_bw=copy_bw)})  # fmt: skip
 
 
 def bench_moe(copy_bw: float, quick: bool) -> None:

@@ -4,13 +4,16 @@ One shared KV head (K = V = the 512-wide latent row), per-head attention sink ad
 denominator only, index -1 = invalid, a row with no valid index returns 0. The kernel mirrors the
 official tilelang kernel: online softmax over blocks of 64 indices, running max initialised at
 -1e30, probabilities rounded to bf16 before P·V, fp32 denominator, output in q's dtype. Used for
-decode / speculative verification (M = 1..few queries per sequence) and the training forward.
+decode / speculative verification (M = 1..few queries per sequence) and the training forward;
+decode-sized calls split each row's indices over SPLIT programs and merge their partial softmaxes
+in a second kernel (flash-decoding), so that a batch of 64 rows still fills the GPU.
 The backward is a Triton kernel too (recompute p from the saved log-denominator, fp32 atomics into
 dkv since KV rows are shared across queries); it differentiates the fp32-probability attention of
 the torch reference `model.attention.sparse_attn_ref` (re-exported here).
 
 Shape legend: B batch, M queries per sequence, H heads, Dh head dim (K = V row), N KV rows,
-K indices per query; tiles: BH heads, BK indices, BDK the QK reduction chunk, DV output columns.
+K indices per query; tiles: BH heads, BK indices, BDK the QK reduction chunk, DV output columns,
+SPLIT index chunks per row.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from kernels.quant import cast_rne
+from kernels.quant_math import _e4m3_of_byte, cast_rne
 from model.attention import sparse_attn_ref
 
 __all__ = [
@@ -35,46 +38,29 @@ __all__ = [
     "BWD_CONFIG",
 ]
 
-# Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16):
-# decode (B·M = 64 query rows) runs the transposed kernel with 32 heads per program (128 programs on
-# 132 SMs; 49 us against 58 us for the best split-DV config of the row kernel; tried and not kept: a
-# split-K variant with 2-5 splits per row and a combine kernel, tiles that compile without register
-# spills (ptxas reports 0.4-2.3 KB of spills per thread here), loading each block twice, and a hand-
-# pipelined loop (next block's rows requested before this block's dots, indices two blocks ahead):
-# all 52-120 us on the same bench, so the limit is not spills, occupancy or exposed load latency);
-# the training forward (many rows)
-# keeps whole q rows resident and loads each gathered K = V row once (BDK "full", DV = Dh). A number
-# as BDK streams q and K in chunks of that width. `_pick_config` chooses by the number of rows; if a
-# config needs more shared memory than the device has, the launcher falls back along _FALLBACKS.
-DECODE_CONFIG = {"kernel": "decode_t", "BH": 32, "BK": 64, "num_warps": 4, "num_stages": 2}
-TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1}
+# Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16). All
+# keep whole q rows resident and load each gathered K = V row once per block (BDK "full", DV = Dh).
+# Decode (B·M = 64 query rows) splits each row's indices over SPLIT programs ("auto": enough for
+# one program per SM), each writing an unnormalised fp32 partial that a second kernel combines:
+# 42.5 us against 49.5 us for the best unsplit kernel (a transposed Sᵀ = kv·qᵀ kernel with 32 heads
+# per program, removed). Tried on the same bench and not kept: the last-finishing split combining
+# in-kernel (a semaphore; 50 us: the combine becomes every program's serial tail), 3-4 splits (two
+# waves), rows prefetched into registers a block ahead, split-K of the transposed kernel. What
+# bounds it (bench/kernels.py --only attn measures both): the gathers alone (no dots) reach 40% of
+# HBM, the dots alone (one block reused) take 21 us, and Triton's pipeliner does not overlap them:
+# it issues the next block's gather (its address depends on a loaded index) after this block's
+# dots and waits for it at the top of the next iteration.
+# The training forward (many rows) uses the same kernel unsplit. If a config needs more shared
+# memory than the device has, the launcher falls back along _FALLBACKS.
+DECODE_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2, "SPLIT": "auto"}
+TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": 1}
 DEFAULT_CONFIG = TRAIN_CONFIG  # base that a partial `config` argument overrides
 _FALLBACKS = (
-    {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
-    {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
-    {"BH": 32, "BK": 32, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
+    {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1, "SPLIT": 1},
+    {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1, "SPLIT": 1},
+    {"BH": 32, "BK": 32, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1, "SPLIT": 1},
 )
-_DECODE_MAX_ROWS = 512  # fewer query rows than this: too few programs without the DV split
-
-
-def _decode_t(q, kv, attn_sink, idxs, scale, cfg) -> torch.Tensor:
-    B, M, H, Dh = q.shape
-    N, K = kv.size(1), idxs.size(-1)
-    assert q.is_contiguous() and kv.is_contiguous() and idxs.is_contiguous() and attn_sink.is_contiguous()
-    assert kv.shape == (B, N, Dh) and idxs.shape == (B, M, K) and attn_sink.shape == (H,)
-    assert q.dtype == kv.dtype and not idxs.is_floating_point()
-    o = torch.empty_like(q)
-    if q.numel() == 0:
-        return o
-    if K == 0:
-        return o.zero_()
-    bh = min(cfg["BH"], max(16, triton.next_power_of_2(H)))
-    opts = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    _sparse_attn_decode_kernel[(B * M, triton.cdiv(H, bh))](
-        q, kv, attn_sink, idxs, o, M, H, N, K, float(scale),
-        DH=Dh, BH=bh, BK=cfg["BK"], **_dot_args(q.dtype), **opts,
-    )  # fmt: skip
-    return o
+_DECODE_MAX_ROWS = 512  # fewer query rows than this: too few programs without the index split
 
 
 def _pick_config(n_rows: int) -> dict:
@@ -100,17 +86,44 @@ def _dot_args(dtype: torch.dtype) -> dict:
 
 
 @triton.jit
+def _main_kv_rows(ckv_K, mask_K, DH: tl.constexpr):
+    """[BK, DH] fp32 values of packed main-KV entries (model/packed_cache.py: DH/2 bytes of E2M1
+    codes, low nibble = even element, then one E4M3 scale byte per 16 elements). Each element reads
+    its code byte and scale byte itself (repeat reads hit L1): no interleave or reshape, whose layout
+    conversions cost registers here. A code's 3 magnitude bits moved to fp32 bit 22 are its E2M1
+    value times 2^-126 exactly (kernels/quant.py's unpack), and value x scale is exact, so the rows
+    equal `unpack_main_kv`'s bit for bit."""
+    d_D = tl.arange(0, DH)
+    code = tl.load(ckv_K[:, None] + (d_D // 2)[None, :], mask=mask_K[:, None], other=0).to(tl.int32)
+    nib = (code >> ((d_D % 2) * 4)[None, :]) & 15
+    v = (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    sb = tl.load(ckv_K[:, None] + DH // 2 + (d_D // 16)[None, :], mask=mask_K[:, None], other=0)
+    return v * _e4m3_of_byte(sb.to(tl.int32))
+
+
+@triton.jit
 def _sparse_attn_fwd_kernel(
-    q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr,
-    M, H, N, K, scale,
+    q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr, lse_ptr, part_ptr, ml_ptr, ckv_ptr,
+    M, H, N, K, G, scale,
     DH: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr,
-    F32_DOT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
+    F32_DOT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
-    """Program (row = b·M + m, head block, output column block). With STORE_LSE also writes
-    lse [B·M, H] = m + log(Σ exp(l - m) + exp(sink - m)) for the backward (inf for an empty row)."""
+    """Program (row = b·M + m, head block, output column block or, with SPLIT > 1, index chunk).
+    With STORE_LSE also writes lse [B·M, H] = m + log(Σ exp(l - m) + exp(sink - m)) for the
+    backward (inf for an empty row). With SPLIT > 1 (DV = DH) chunk s of a row's indices writes
+    its unnormalised acc to part [s, row, H, DH] fp32 and (m, l) to ml [s, row, H, 2] for
+    _sparse_attn_combine_kernel; an empty chunk writes m = -1e30, l = 0, acc = 0. With PACKED
+    (BDK = DV = DH) indices >= N address the packed main-KV entries ckv [B,G,DH/2+DH/16] (row
+    idx - N), decoded in registers: kv [B,N,DH] then holds only the window rows."""
     row = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BH
-    dv0 = tl.program_id(2) * DV
+    dv0 = 0 if SPLIT > 1 else tl.program_id(2) * DV
+    k_lo, k_hi = 0, K
+    if SPLIT > 1:
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK  # whole blocks per chunk
+        k_lo = tl.program_id(2) * chunk
+        k_hi = tl.minimum(K, k_lo + chunk)
     b = row // M
     h_H = h0 + tl.arange(0, BH)
     mask_H = h_H < H
@@ -125,12 +138,19 @@ def _sparse_attn_fwd_kernel(
     DT: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty  # interpreter: fp32 dots
     if BDK == DH:  # whole q rows stay resident; K = V rows are loaded once per block
         q_HD = tl.load(q_row + h_H[:, None] * DH + dk_C[None, :], mask=mask_H[:, None], other=0.0).to(DT)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         k_K = k0 + tl.arange(0, BK)
-        idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
+        idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < k_hi, other=-1).to(tl.int64)
         valid_K = idx_K >= 0
         rows_K = kv_b + tl.where(valid_K, idx_K, 0) * DH
-        if BDK == DH:
+        if PACKED:
+            packed_K = valid_K & (idx_K >= N)
+            dense_K = valid_K & (idx_K < N)
+            kv_KD = tl.load(rows_K[:, None] + dk_C[None, :], mask=dense_K[:, None], other=0.0).to(DT)
+            ckv_K = ckv_ptr + (b * G + tl.where(packed_K, idx_K - N, 0)) * (DH // 2 + DH // 16)
+            kv_KD = tl.where(packed_K[:, None], _main_kv_rows(ckv_K, packed_K, DH).to(DT), kv_KD)
+            s_HK = tl.dot(q_HD, tl.trans(kv_KD), input_precision=DOT_PREC)
+        elif BDK == DH:
             kv_KD = tl.load(rows_K[:, None] + dk_C[None, :], mask=valid_K[:, None], other=0.0).to(DT)
             s_HK = tl.dot(q_HD, tl.trans(kv_KD), input_precision=DOT_PREC)
         else:
@@ -153,6 +173,12 @@ def _sparse_attn_fwd_kernel(
         p_HK = cast_rne(p_HK, q_ptr.dtype.element_ty).to(DT)
         acc_HV = tl.dot(p_HK, v_KV, acc_HV, input_precision=DOT_PREC)
         m_H = m_new_H
+    if SPLIT > 1:
+        part_row = tl.program_id(2) * tl.num_programs(0) + row
+        tl.store(part_ptr + (part_row * H + h_H[:, None]) * DH + dv_V[None, :], acc_HV, mask=mask_H[:, None])
+        tl.store(ml_ptr + (part_row * H + h_H) * 2, m_H, mask=mask_H)
+        tl.store(ml_ptr + (part_row * H + h_H) * 2 + 1, l_H, mask=mask_H)
+        return
     # the sink joins the denominator only, unscaled; an all-invalid row has m = -1e30, so
     # exp(sink - m) = inf and the output is 0 / inf = 0
     l_H = l_H + tl.exp(sink_H - m_H)
@@ -165,48 +191,30 @@ def _sparse_attn_fwd_kernel(
 
 
 @triton.jit
-def _sparse_attn_decode_kernel(
-    q_ptr, kv_ptr, sink_ptr, idx_ptr, o_ptr,
-    M, H, N, K, scale,
-    DH: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+def _sparse_attn_combine_kernel(
+    part_ptr, ml_ptr, sink_ptr, o_ptr, R, H,
+    DH: tl.constexpr, SPLIT: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
-    """Decode forward, transposed: program (row, head block) computes Sᵀ = kv · qᵀ [BK, BH] and
-    accᵀ [DH, BH] += kvᵀ · Pᵀ, so every dot has the gathered entries (BK) or the head dim (DH) as its
-    M side (>= 64, the tensor cores' tile) whatever BH is; each gathered K = V row is loaded once per
-    block and used by both dots. Same arithmetic as _sparse_attn_fwd_kernel (bf16-rounded P)."""
+    """o[row, h] = Σ_s exp(m_s - m) acc_s / (Σ_s exp(m_s - m) l_s + exp(sink - m)), m = max_s m_s:
+    the split forward's partials merged in split order (so the result is deterministic)."""
     row = tl.program_id(0).to(tl.int64)
     h_H = tl.program_id(1) * BH + tl.arange(0, BH)
     mask_H = h_H < H
-    b = row // M
     d_D = tl.arange(0, DH)
-    DT: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty
-    qt_DH = tl.load(q_ptr + row * H * DH + h_H[None, :] * DH + d_D[:, None], mask=mask_H[None, :], other=0.0)
-    qt_DH = qt_DH.to(DT)
-    sink_H = tl.load(sink_ptr + h_H, mask=mask_H, other=0.0).to(tl.float32)
     m_H = tl.full((BH,), -1.0e30, tl.float32)
+    for s in tl.static_range(SPLIT):
+        m_H = tl.maximum(m_H, tl.load(ml_ptr + ((s * R + row) * H + h_H) * 2, mask=mask_H, other=-1.0e30))
     l_H = tl.zeros((BH,), tl.float32)
-    acc_DH = tl.zeros((DH, BH), tl.float32)
-    kv_b = kv_ptr + b * N * DH
-    for k0 in range(0, K, BK):
-        k_K = k0 + tl.arange(0, BK)
-        idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
-        valid_K = idx_K >= 0
-        rows_K = kv_b + tl.where(valid_K, idx_K, 0) * DH
-        kv_KD = tl.load(rows_K[:, None] + d_D[None, :], mask=valid_K[:, None], other=0.0).to(DT)
-        s_KH = tl.dot(kv_KD, qt_DH, input_precision=DOT_PREC)
-        s_KH = tl.where(valid_K[:, None], s_KH * scale, float("-inf"))
-        m_new_H = tl.maximum(m_H, tl.max(s_KH, axis=0))
-        alpha_H = tl.exp(m_H - m_new_H)
-        p_KH = tl.exp(s_KH - m_new_H[None, :])
-        l_H = l_H * alpha_H + tl.sum(p_KH, axis=0)
-        acc_DH = acc_DH * alpha_H[None, :]
-        p_KH = cast_rne(p_KH, q_ptr.dtype.element_ty).to(DT)
-        acc_DH = tl.dot(tl.trans(kv_KD), p_KH, acc_DH, input_precision=DOT_PREC)
-        m_H = m_new_H
-    l_H = l_H + tl.exp(sink_H - m_H)
-    o_DH = acc_DH / l_H[None, :]
-    o_offs = row * H * DH + h_H[None, :] * DH + d_D[:, None]
-    tl.store(o_ptr + o_offs, cast_rne(o_DH, o_ptr.dtype.element_ty), mask=mask_H[None, :])
+    acc_HD = tl.zeros((BH, DH), tl.float32)
+    for s in tl.static_range(SPLIT):
+        m_s = tl.load(ml_ptr + ((s * R + row) * H + h_H) * 2, mask=mask_H, other=-1.0e30)
+        w_H = tl.exp(m_s - m_H)
+        l_H += w_H * tl.load(ml_ptr + ((s * R + row) * H + h_H) * 2 + 1, mask=mask_H, other=0.0)
+        part_offs = ((s * R + row) * H + h_H[:, None]) * DH + d_D[None, :]
+        acc_HD += w_H[:, None] * tl.load(part_ptr + part_offs, mask=mask_H[:, None], other=0.0)
+    l_H += tl.exp(tl.load(sink_ptr + h_H, mask=mask_H, other=0.0) - m_H)  # all-invalid row: 0 / inf = 0
+    o_offs = (row * H + h_H[:, None]) * DH + d_D[None, :]
+    tl.store(o_ptr + o_offs, cast_rne(acc_HD / l_H[:, None], o_ptr.dtype.element_ty), mask=mask_H[:, None])
 
 
 def sparse_attn_fwd(
@@ -217,10 +225,15 @@ def sparse_attn_fwd(
     scale: float,
     config: dict | None = None,
     lse: torch.Tensor | None = None,
+    ckv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward only. q [B,M,H,Dh] bf16/fp16, kv [B,N,Dh] (same dtype), attn_sink [H] fp32,
     idxs [B,M,K] int32/int64 (-1 invalid) -> o [B,M,H,Dh] in q's dtype. If `lse` (fp32 [B,M,H]) is
-    given, the log of each softmax denominator (sink included) is written into it."""
+    given, the log of each softmax denominator (sink included) is written into it. With `ckv`, packed
+    main-KV entries uint8 [B,G,Dh/2+Dh/16] (model/packed_cache.py), indices N..N+G-1 read its rows,
+    decoded in the kernel: the same output as passing cat([kv, unpack_main_kv(ckv, q.dtype)], 1)."""
+    if ckv is not None:
+        return _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config)
     if config is None:
         first = _pick_config(q.shape[0] * q.shape[1])
         key = (q.shape[-1], q.shape[-2], q.dtype, q.device, id(first))
@@ -232,10 +245,22 @@ def sparse_attn_fwd(
             _fitted[key] = cfg
             return o
         raise RuntimeError("no sparse_attn tile config fits this device")
-    cfg = {**DEFAULT_CONFIG, **config}
+    return _fwd(q, kv, attn_sink, idxs, scale, {**DEFAULT_CONFIG, **config}, lse)
+
+
+def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     B, M, H, Dh = q.shape
-    if cfg.get("kernel") == "decode_t" and lse is None and triton.next_power_of_2(Dh) == Dh:
-        return _decode_t(q, kv, attn_sink, idxs, scale, cfg)
+    entry = Dh // 2 + Dh // 16
+    if ckv.dtype != torch.uint8 or ckv.dim() != 3 or ckv.shape[0] != B or ckv.shape[2] != entry:
+        raise ValueError(f"ckv must be packed main-KV entries uint8 [B,G,{entry}], got {ckv.dtype} {list(ckv.shape)}")
+    cfg = {**DEFAULT_CONFIG, **_pick_config(B * M), **(config or {})}
+    if cfg["BDK"] != "full" or min(cfg["DV"], Dh) != Dh or triton.next_power_of_2(Dh) != Dh:
+        raise ValueError(f"packed entries need whole rows resident (BDK 'full', DV = Dh, a power of 2); got {cfg}")
+    return _fwd(q, kv, attn_sink, idxs, scale, cfg, None, ckv.contiguous())
+
+
+def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):
+    B, M, H, Dh = q.shape
     N = kv.size(1)
     K = idxs.size(-1)
     assert q.is_contiguous() and kv.is_contiguous() and idxs.is_contiguous() and attn_sink.is_contiguous()
@@ -253,14 +278,43 @@ def sparse_attn_fwd(
         if lse is not None:
             lse.copy_(attn_sink.float().expand_as(lse))
         return o.zero_()
-    grid = (B * M, triton.cdiv(H, bh), Dh // dv)
+    n_hb = triton.cdiv(H, bh)
+    split = cfg["SPLIT"]
+    if split == "auto":  # enough chunks per row for one program per SM, whole blocks each
+        split = max(1, min(_sm_count(q.device) // (B * M * n_hb), triton.cdiv(K, cfg["BK"]), 8))
+    if lse is not None or dv != Dh:
+        split = 1  # the autograd forward writes lse; the DV split already multiplies the programs
     opts = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    _sparse_attn_fwd_kernel[grid](
-        q, kv, attn_sink, idxs, o, lse if lse is not None else o, M, H, N, K, float(scale),
+    part = ml = o
+    if split > 1:
+        part = torch.empty(split, B * M, H, Dh, dtype=torch.float32, device=q.device)
+        ml = torch.empty(split, B * M, H, 2, dtype=torch.float32, device=q.device)
+    G = 0 if ckv is None else ckv.size(1)
+    _sparse_attn_fwd_kernel[(B * M, n_hb, split if split > 1 else Dh // dv)](
+        q, kv, attn_sink, idxs, o, lse if lse is not None else o, part, ml, ckv if ckv is not None else o,
+        M, H, N, K, G, float(scale),
         DH=Dh, BH=bh, BK=cfg["BK"], BDK=bdk, DV=dv,
-        STORE_LSE=lse is not None, **_dot_args(q.dtype), **opts,
+        STORE_LSE=lse is not None, SPLIT=split, PACKED=ckv is not None, **_dot_args(q.dtype), **opts,
     )  # fmt: skip
+    if split > 1:
+        _sparse_attn_combine_kernel[(B * M, triton.cdiv(H, 16))](
+            part, ml, attn_sink, o, B * M, H, DH=Dh, SPLIT=split, BH=16,
+            **({} if _interpreting() else {"num_warps": 4}),
+        )  # fmt: skip
     return o
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter), so that CPU tests
+    of decode-sized calls take the split path too."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 @triton.jit

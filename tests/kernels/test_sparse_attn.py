@@ -88,16 +88,20 @@ def test_backward_matches_reference(device, B, M, H, Dh, N, K):
         assert grads[0][-1, -1].abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("B,M,H,Dh,N,K", [(2, 1, 20, 64, 30, 130), (1, 2, 64, 128, 80, 96)])
+@pytest.mark.parametrize("B,M,H,Dh,N,K", [(2, 1, 20, 64, 30, 130), (1, 2, 64, 128, 80, 96), (3, 1, 4, 512, 60, 70)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_transposed_kernel_matches_reference(device, B, M, H, Dh, N, K, dtype):
-    """The decode kernel (Sᵀ = kv·qᵀ, one program per row and head block) on its own config."""
+@pytest.mark.parametrize("split", [2, 3, "auto"])
+def test_split_decode_matches_reference(device, B, M, H, Dh, N, K, dtype, split):
+    """The decode path: each row's indices split over programs (some chunks empty or all -1), the
+    partial softmaxes merged by the combine kernel; repeated calls give identical bits."""
     q, kv, sink, idxs = _inputs(B, M, H, Dh, N, K, dtype, device, seed=4)
+    idxs[0, 0, : K // 2] = -1  # a chunk with no valid index beside valid ones in the same row
     scale = Dh**-0.5
-    cfg = {"kernel": "decode_t", "BH": 32, "BK": 64, "num_warps": 4, "num_stages": 2}
+    cfg = {**ks.DECODE_CONFIG, "BK": 32, "SPLIT": split}
     o = ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg)
     _check(o, ks.sparse_attn_ref(q, kv, sink, idxs, scale))
     assert not o[-1, -1].any()  # the all-invalid row
+    assert torch.equal(o, ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg))
 
 
 def test_no_grad_call_takes_the_forward_alone(device):
@@ -107,3 +111,37 @@ def test_no_grad_call_takes_the_forward_alone(device):
         o = ks.sparse_attn(q, kv, sink, idxs, 0.1)
     _check(o, ks.sparse_attn_ref(q, kv, sink, idxs, 0.1))
     assert torch.equal(o, ks.sparse_attn_fwd(q, kv, sink, idxs, 0.1))
+
+
+@pytest.mark.parametrize(
+    "B,M,H,Dh,T,G,K", [(2, 1, 20, 64, 30, 50, 70), (1, 3, 16, 128, 8, 40, 96), (2, 1, 4, 512, 16, 60, 80)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_main_kv_is_read_as_unpacked(device, B, M, H, Dh, T, G, K, dtype):
+    """Indices >= T read packed FP4 main-KV entries (E2M1 + E4M3/16, the packed cache's bytes),
+    decoded in the kernel: bit-identical to the dense kernel on the unpacked rows, close to the ref."""
+    from model.packed_cache import pack_main_kv, unpack_main_kv
+    from model.quant import fp4_e4m3_fake_quant
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, M, H, Dh, generator=g).to(dtype).to(device)
+    win = torch.randn(B, T, Dh, generator=g).to(dtype).to(device)
+    ckv = pack_main_kv(fp4_e4m3_fake_quant(torch.randn(B, G, Dh, generator=g) * 3)).to(device)
+    sink = torch.randn(H, generator=g).to(device)
+    idxs = torch.randint(0, T + G, (B, M, K), generator=g, dtype=torch.int32)
+    idxs[torch.rand(B, M, K, generator=g) < 0.2] = -1
+    idxs[-1, -1] = -1
+    idxs = idxs.to(device)
+    dense = torch.cat([win, unpack_main_kv(ckv, dtype)], dim=1)
+    ref = ks.sparse_attn_ref(q, dense, sink, idxs, Dh**-0.5)
+    # fp32 at head_dim 512 needs the smaller tiles to fit shared memory
+    small = {"BK": 16, "num_stages": 1}
+    for cfg in (None, {"SPLIT": 2, **small}, {**ks.TRAIN_CONFIG, "BK": 16}, {"BH": 16, **small}):
+        o = ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, cfg, ckv=ckv)
+        _check(o, ref)
+        assert not o[-1, -1].any()
+        o_dense = ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, {**ks.DECODE_CONFIG, **(cfg or {})})
+        if device == "cpu":  # same arithmetic; compiled, the dots' operands come by another path
+            assert torch.equal(o, o_dense)
+    with pytest.raises(ValueError, match="packed main-KV entries"):
+        ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, ckv=ckv[..., :-1])
