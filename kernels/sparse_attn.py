@@ -42,14 +42,19 @@ __all__ = [
 # keep whole q rows resident and load each gathered K = V row once per block (BDK "full", DV = Dh).
 # Decode (B·M = 64 query rows) splits each row's indices over SPLIT programs ("auto": enough for
 # one program per SM), each writing an unnormalised fp32 partial that a second kernel combines:
-# 42.5 us against 49.5 us for the best unsplit kernel (a transposed Sᵀ = kv·qᵀ kernel with 32 heads
-# per program, removed). Tried on the same bench and not kept: the last-finishing split combining
-# in-kernel (a semaphore; 50 us: the combine becomes every program's serial tail), 3-4 splits (two
-# waves), rows prefetched into registers a block ahead, split-K of the transposed kernel. What
-# bounds it (bench/kernels.py --only attn measures both): the gathers alone (no dots) reach 40% of
-# HBM, the dots alone (one block reused) take 21 us, and Triton's pipeliner does not overlap them:
-# it issues the next block's gather (its address depends on a loaded index) after this block's
-# dots and waits for it at the top of the next iteration.
+# 42.0-42.9 us against 49.4-50.3 us for the best earlier kernel (a transposed Sᵀ = kv·qᵀ kernel
+# with 32 heads per program, removed) and 55-57 us unsplit, timed in one process; the machine's
+# slow spells move every figure by up to 20% between processes. Tried and not kept: the
+# last-finishing split combining in-kernel (a semaphore; 50 us: the combine becomes every
+# program's serial tail), 3-4 splits (two waves), rows prefetched into registers a block ahead,
+# split-K of the transposed kernel. What bounds it: the gathers alone (no dots) reach 39-40% of
+# HBM and a copy of as many bytes 71% (bench/kernels.py prints both), the dots alone (probe kernel,
+# one block reused) take 21 us, and Triton's pipeliner does not overlap them: it issues the next
+# block's gather (its address depends on a loaded index) after this block's dots and waits for it
+# at the top of the next iteration.
+# Packed main-KV entries (ckv=) are decoded per element from their bytes. A variant decoding whole
+# rows with tl.interleave/reshape ran at 61 us against 187 us for this one, but gave wrong outputs
+# at BH 32 / BK 16 / 4 warps on the H200 (Triton 3.6), so it was dropped.
 # The training forward (many rows) uses the same kernel unsplit. If a config needs more shared
 # memory than the device has, the launcher falls back along _FALLBACKS.
 DECODE_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2, "SPLIT": "auto"}
