@@ -144,6 +144,8 @@ class GroupLayout:
     visible [B,S,G]: group g is visible to query s iff same document and g's last token <= s.
     newest [B,S]: newest visible group (-1 none). block_id [B,G]: candidate block of each group
     (blocks restart per document). n_pending_before: tokens of an incomplete group carried in.
+    contiguous_block_size: bs when block_id == g // bs for every group (one document per row), so
+    block c holds groups c·bs .. c·bs+bs-1 (the Triton Reindex path relies on it); 0 = not so.
     """
 
     ratio: int
@@ -154,6 +156,7 @@ class GroupLayout:
     block_id: torch.Tensor
     n_blocks: int
     n_pending_before: int = 0
+    contiguous_block_size: int = 0
 
 
 @dataclass
@@ -192,6 +195,8 @@ def _packed_groups(seg_BS: torch.Tensor, pos_BS: torch.Tensor, ratio: int, block
     visible = valid[:, None, :] & (g_seg[:, None, :] == seg_BS[:, :, None]) & (g_last[:, None, :] <= ar[:, None])
     bs = max(block_size, 1)
     block_id = (((anchor_pos // ratio) % bs == 0).cumsum(1) - 1).clamp(min=0)
+    # one host sync per call and ratio (the layout syncs for N already), not one per Reindex layer
+    contiguous = torch.equal(block_id, (torch.arange(N, device=dev) // bs).expand(B, N))
     return GroupLayout(
         ratio=ratio,
         tok_idx=anchor_tok[..., None] + torch.arange(ratio, device=dev),
@@ -200,6 +205,7 @@ def _packed_groups(seg_BS: torch.Tensor, pos_BS: torch.Tensor, ratio: int, block
         newest=_newest(visible),
         block_id=block_id,
         n_blocks=int(block_id.max()) + 1 if N else 0,
+        contiguous_block_size=bs if contiguous else 0,
     )
 
 
@@ -253,6 +259,7 @@ def build_incremental_layout(
             block_id=(g // bs).expand(batch, G),
             n_blocks=-(-G // bs),
             n_pending_before=start_pos % r,
+            contiguous_block_size=bs,
         )
     return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=start_pos - window + 1 - window_base, groups=groups)
 
@@ -263,12 +270,14 @@ class SharedAttnState:
     """What layers publish to later layers within ONE forward call (the reference's module-global
     `shared_attn`, made explicit). compress_kv/index_k are keyed by ratio and hold all groups
     (cached + new): [B,G,Dh] post-RoPE QDQ'd latents, [B,G,Di] index keys. topk_idxs [B,S,K] group
-    indices from the latest index source (-1 = none); candidates [B,S,G] from the candidate source."""
+    indices from the latest index source (-1 = none); candidates [B,S,G] from the candidate source,
+    with its kept block ids candidate_blocks [B,S,C] (ascending, -1 = dropped)."""
 
     compress_kv: dict[int, torch.Tensor] = field(default_factory=dict)
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)
     topk_idxs: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
+    candidate_blocks: torch.Tensor | None = None
     indexer_losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -331,16 +340,22 @@ class LayerCache:
         self.window_kv = rows[:, max(0, rows.size(1) - keep) :]
         return kv_BTD
 
-    def bank(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored global bank (compressed KV [B,G,Dh], index keys [B,G,Di]) as dense tensors."""
+    def bank(self, dtype: torch.dtype | None = None, packed_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored global bank (compressed KV [B,G,Dh], index keys [B,G,Di]) as dense tensors.
+        `packed_kv` (packed caches): the compressed KV stays its uint8 entries, for the Triton
+        attention that decodes the entries it gathers instead of the whole bank every call."""
         assert self.compress_kv is not None and self.index_k is not None, "no bank in this cache"
         if not self.packed:
             return self.compress_kv, self.index_k
         dtype = dtype or getattr(torch, self.dtype)
-        return unpack_main_kv(self.compress_kv, dtype), unpack_index_k(self.index_k, dtype)
+        kv = self.compress_kv if packed_kv else unpack_main_kv(self.compress_kv, dtype)
+        return kv, unpack_index_k(self.index_k, dtype)
 
-    def append_bank(self, ckv_BND: torch.Tensor, k_BND: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new groups to the bank; returns all groups (cached + new) dense."""
+    def append_bank(
+        self, ckv_BND: torch.Tensor, k_BND: torch.Tensor, ratio: int, packed_kv: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new groups to the bank; returns all groups (cached + new) dense (the compressed KV
+        as its packed entries with `packed_kv`, see `bank`)."""
         if not self.packed:
             if self.compress_kv is not None:
                 ckv_BND = torch.cat([self.compress_kv, ckv_BND], dim=1)
@@ -352,11 +367,13 @@ class LayerCache:
             raise ValueError(f"packed bank: index keys are {k_BND.dtype}, compressed KV {dtype}")
         new_kv, new_k = pack_main_kv(ckv_BND), pack_index_k(k_BND)
         if self.compress_kv is not None:
-            old_kv, old_k = self.bank(dtype)
-            ckv_BND, k_BND = torch.cat([old_kv, ckv_BND], dim=1), torch.cat([old_k, k_BND], dim=1)
+            old_kv, old_k = self.bank(dtype, packed_kv)
+            k_BND = torch.cat([old_k, k_BND], dim=1)
+            if not packed_kv:
+                ckv_BND = torch.cat([old_kv, ckv_BND], dim=1)
             new_kv, new_k = torch.cat([self.compress_kv, new_kv], dim=1), torch.cat([self.index_k, new_k], dim=1)
         self.compress_kv, self.index_k, self.ratio = new_kv, new_k, ratio
-        return ckv_BND, k_BND
+        return (new_kv if packed_kv else ckv_BND), k_BND
 
 
 @dataclass
@@ -384,6 +401,7 @@ def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> tor
     the same entries. Only the indexer's parameters receive gradient (its inputs are detached),
     as in DeepSeek sparse attention. Queries with no selected entry are skipped.
     """
+    assert out.scores is not None, "the indexer took its restricted path: call it with need_scores=True"
     valid_BSK = out.topk_idxs >= 0
     with torch.no_grad():
         p_BSK = p_comp_BSHK.detach().sum(2) * valid_BSK
@@ -425,10 +443,11 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, layer_id) if args.is_kv_source(layer_id) else None
         self.indexer = Indexer(args, layer_id) if args.is_index_source(layer_id) else None
         self.sparse_attn = sparse_attn_ref
+        self.sparse_attn_packed = None  # the forward reading packed main-KV entries (ckv=), Triton only
         if args.impl == "triton":
-            from kernels.sparse_attn import sparse_attn  # chosen at construction (STYLE rule 13)
+            from kernels.sparse_attn import sparse_attn, sparse_attn_fwd  # chosen at construction (STYLE rule 13)
 
-            self.sparse_attn = sparse_attn
+            self.sparse_attn, self.sparse_attn_packed = sparse_attn, sparse_attn_fwd
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttnContext, cache: LayerCache | None = None) -> torch.Tensor:
         """x = attn_norm output [B,S,D] -> [B,S,D]. Reads/extends `cache` when given."""
@@ -448,6 +467,8 @@ class Attention(nn.Module):
         ckv_BGD = cidx_BSK = index_out = p_comp = None
         if self.compress_ratio > 0:
             ckv_BGD, cidx_BSK, index_out = self._compressed(x_BSD, qr_BSQ, freqs_BSr, ctx, cache)
+            if ckv_BGD.dtype == torch.uint8:  # a packed cache's entries: the kernel decodes the picks
+                return self._attend_packed(q_BSHD, kv_BTD, ckv_BGD, cidx_BSK, ctx, freqs_BSr)
             ckv_BGD = ckv_BGD.to(kv_BTD.dtype)
         if self.sparse_attn is sparse_attn_ref:
             o_BSHD, p_comp = windowed_sparse_attn(
@@ -467,6 +488,23 @@ class Attention(nn.Module):
                 p_comp = probs[..., lay.win_idxs.size(-1) :]
         if ctx.indexer_loss and index_out is not None:
             ctx.state.indexer_losses.append(indexer_alignment_loss(index_out, p_comp))
+        return self._project_out(o_BSHD, freqs_BSr)
+
+    def _attend_packed(self, q_BSHD, kv_BTD, ckv_BGE, cidx_BSK, ctx: AttnContext, freqs_BSr) -> torch.Tensor:
+        """Attention over the window rows and the packed bank's picked entries, read by the kernel as
+        bytes (kernels/sparse_attn.py `ckv=`): the bank is never unpacked whole. Inference only."""
+        if torch.is_grad_enabled() or ctx.indexer_loss:
+            raise ValueError("a packed LayerCache is inference storage: run without gradients or indexer loss")
+        T = kv_BTD.size(1)
+        idxs_BSK = torch.cat([ctx.layout.win_idxs, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
+        o_BSHD = self.sparse_attn_packed(
+            q_BSHD.contiguous(), kv_BTD.contiguous(), self.attn_sink.float().contiguous(), idxs_BSK.contiguous(),
+            self.softmax_scale, ckv=ckv_BGE,
+        )  # fmt: skip
+        return self._project_out(o_BSHD, freqs_BSr)
+
+    def _project_out(self, o_BSHD: torch.Tensor, freqs_BSr: torch.Tensor) -> torch.Tensor:
+        B, S = o_BSHD.shape[:2]
         # Remove the query rotation the rope dims of V picked up (cache stays in one rotated form).
         o_BSHD = apply_rotary_emb(o_BSHD, freqs_BSr, inverse=True)
         # wo_a is block-diagonal over o_groups: group g projects only its own heads.
@@ -513,8 +551,12 @@ class Attention(nn.Module):
             if qat:  # compressed main KV: E2M1 with E4M3 scales per 16, post-RoPE (§3.10)
                 ckv_BND = fp4_e4m3_fake_quant(ckv_BND)
         if cache is not None:
-            ckv_BND, k_BND = cache.append_bank(ckv_BND, k_BND, r)
+            ckv_BND, k_BND = cache.append_bank(ckv_BND, k_BND, r, packed_kv=self._reads_packed(cache))
         return ckv_BND, k_BND
+
+    def _reads_packed(self, cache: LayerCache | None) -> bool:
+        """Whether this layer takes a packed cache's compressed KV as bytes (the Triton kernel)."""
+        return cache is not None and cache.packed and self.sparse_attn_packed is not None
 
     def _compressed(self, x_BSD, qr_BSQ, freqs_BSr, ctx: AttnContext, cache: LayerCache | None):
         """Compressed KV [B,G,Dh] this layer attends and its top-k group indices [B,S,K]."""
@@ -523,7 +565,7 @@ class Attention(nn.Module):
         if self.compressor is not None:
             if ctx.bank_ready:
                 assert cache is not None and cache.compress_kv is not None, "bank_ready needs the bank in the cache"
-                ckv_BND, k_BND = cache.bank()
+                ckv_BND, k_BND = cache.bank(packed_kv=self._reads_packed(cache))
             else:
                 ckv_BND, k_BND = self.project_groups(x_BSD, gl, ctx.freqs_anchor[r], qat, cache)
             # Published on every call, also when no group completed: a ratio-2 source then scores
@@ -538,10 +580,11 @@ class Attention(nn.Module):
                 index_out = self.indexer(
                     x_BSD.detach(), qr_BSQ.detach(), st.index_k[r], freqs_BSr, gl.visible, qat=qat,
                     candidates_BSG=st.candidates, block_id_BG=gl.block_id, n_blocks=gl.n_blocks,
-                    newest_BS=gl.newest,
+                    newest_BS=gl.newest, candidate_blocks_BSC=st.candidate_blocks,
+                    contiguous_block_size=gl.contiguous_block_size, need_scores=ctx.indexer_loss,
                 )  # fmt: skip
                 if index_out.candidates is not None:
-                    st.candidates = index_out.candidates
+                    st.candidates, st.candidate_blocks = index_out.candidates, index_out.candidate_blocks
                 st.topk_idxs = index_out.topk_idxs
         assert st.topk_idxs is not None, f"layer {self.layer_id} runs before any index source"
         return st.compress_kv[r], st.topk_idxs, index_out

@@ -1,12 +1,13 @@
 """The V4.1 lightning indexer: picks, per query, the compressed KV entries the attention reads.
 
-Holds the deterministic top-k (`topk_indices`, the one tie rule used everywhere), the first level
+Holds the deterministic top-k (`topk_indices`, the one tie rule used everywhere), the torch
+reference of the scores (`index_scores_ref`; kernels/indexer.py is the Triton one), the first level
 of hierarchical indexing (`select_candidate_blocks`) and the `Indexer` module (model_reference
 §3.6-3.7). It does not build compressed KV (compressor.py) nor attend (attention.py); which
 queries may see which groups comes in as a mask from the caller's layout.
 
 Shape legend: B batch, S queries of this call, G compressed groups (cached + new), N new groups,
-I index heads, Di index head dim, NB candidate blocks, K selected entries.
+I index heads, Di index head dim, NB candidate blocks, C kept candidate blocks, K selected entries.
 """
 
 from __future__ import annotations
@@ -38,19 +39,44 @@ def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return values[..., :k], (n - 1) - rev[..., :k]
 
 
-def select_candidate_blocks(
+def index_scores_ref(
+    q_BSID: torch.Tensor, k_BGD: torch.Tensor, w_BSI: torch.Tensor, visible_BSG: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Indexer scores [B,S,G] fp32: `score = Σ_i relu(q_i · k_g) · w_i` (§3.6 step 5), -inf where
+    `visible_BSG` (bool, None = all visible) is False. q/k in any float dtype are multiplied in fp32;
+    w [B,S,I] fp32 already carries the weight scale. Materialises [B,S,I,G] fp32: a reference only."""
+    dots_BSIG = torch.einsum("bsid,bgd->bsig", q_BSID.float(), k_BGD.float())
+    # ReLU per head BEFORE the weighted head sum (§3.6 step 5).
+    score_BSG = torch.einsum("bsig,bsi->bsg", dots_BSIG.relu(), w_BSI)
+    return score_BSG if visible_BSG is None else score_BSG.masked_fill(~visible_BSG, -torch.inf)
+
+
+def top_candidate_blocks(bscore_BSNB: torch.Tensor, pinned_BS: torch.Tensor, topk_blocks: int) -> torch.Tensor:
+    """The kept candidate blocks [B,S,C] (C = min(topk_blocks, NB)) in ascending order, -1 first.
+
+    Block `pinned_BS` (-1 = none) scores +inf; of the top `topk_blocks` (ties: newer block wins),
+    those scoring -inf are dropped (-1). Ascending order keeps the newer-wins tie rule when a later
+    top-k runs over the blocks' groups laid out in this order (kernels/indexer.py restricted scores).
+    """
+    n_blocks = bscore_BSNB.size(-1)
+    pin_BSNB = (torch.arange(n_blocks, device=bscore_BSNB.device) == pinned_BS[..., None]) & (pinned_BS[..., None] >= 0)
+    top_vals, top_idx = topk_indices(bscore_BSNB.masked_fill(pin_BSNB, torch.inf), topk_blocks)
+    return torch.where(top_vals > -torch.inf, top_idx, -1).sort(dim=-1).values
+
+
+def candidate_block_ids(
     scores_BSG: torch.Tensor,
     block_id_BG: torch.Tensor,
     n_blocks: int,
     newest_BS: torch.Tensor,
     topk_blocks: int,
 ) -> torch.Tensor:
-    """Level one of hierarchical indexing (§3.7): a bool candidate mask [B,S,G].
+    """Level one of hierarchical indexing (§3.7): the kept candidate blocks [B,S,C], ascending, -1 first.
 
     A block's score is the max over its groups (unreachable groups are already -inf). The block
     holding the query's newest visible group (`newest_BS`, -1 = none) is pinned with +inf: it is
     partly filled and would otherwise lose to older full blocks. Of the top `topk_blocks` blocks
-    (ties: newer block wins), those scoring -inf are dropped. Blocks are given per group by
+    (ties: newer block wins), those scoring -inf are dropped (-1). Blocks are given per group by
     `block_id_BG` rather than by position // block_size, so that in packed batches blocks restart
     at every document, exactly as when the document runs alone.
     """
@@ -58,23 +84,45 @@ def select_candidate_blocks(
     blk_BSG = block_id_BG[:, None, :].expand(B, S, G)
     bscore_BSNB = scores_BSG.new_full((B, S, n_blocks), -torch.inf)
     bscore_BSNB = bscore_BSNB.scatter_reduce(-1, blk_BSG, scores_BSG, reduce="amax", include_self=True)
-    pinned_BS = block_id_BG.gather(1, newest_BS.clamp(min=0))
-    pin_BSNB = (torch.arange(n_blocks, device=scores_BSG.device) == pinned_BS[..., None]) & (newest_BS[..., None] >= 0)
-    bscore_BSNB = bscore_BSNB.masked_fill(pin_BSNB, torch.inf)
-    top_vals, top_idx = topk_indices(bscore_BSNB, topk_blocks)
-    keep_BSNB = torch.zeros_like(bscore_BSNB, dtype=torch.bool).scatter(-1, top_idx, top_vals > -torch.inf)
-    return keep_BSNB.gather(-1, blk_BSG)
+    pinned_BS = torch.where(newest_BS >= 0, block_id_BG.gather(1, newest_BS.clamp(min=0)), -1)
+    return top_candidate_blocks(bscore_BSNB, pinned_BS, topk_blocks)
+
+
+def candidate_mask(blk_BSC: torch.Tensor, block_id_BG: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """The bool candidate pool [B,S,G]: groups whose block is among the kept blocks `blk_BSC`."""
+    B, S, _ = blk_BSC.shape
+    G = block_id_BG.size(1)
+    # dropped picks (-1) scatter into a spare last slot
+    keep_BSNB = torch.zeros(B, S, n_blocks + 1, dtype=torch.bool, device=blk_BSC.device)
+    keep_BSNB = keep_BSNB.scatter(-1, torch.where(blk_BSC >= 0, blk_BSC, n_blocks), True)[..., :n_blocks]
+    return keep_BSNB.gather(-1, block_id_BG[:, None, :].expand(B, S, G))
+
+
+def select_candidate_blocks(
+    scores_BSG: torch.Tensor,
+    block_id_BG: torch.Tensor,
+    n_blocks: int,
+    newest_BS: torch.Tensor,
+    topk_blocks: int,
+) -> torch.Tensor:
+    """The bool candidate pool [B,S,G] of §3.7: `candidate_block_ids` expanded by `candidate_mask`."""
+    blk_BSC = candidate_block_ids(scores_BSG, block_id_BG, n_blocks, newest_BS, topk_blocks)
+    return candidate_mask(blk_BSC, block_id_BG, n_blocks)
 
 
 @dataclass
 class IndexerOutput:
     """topk_idxs: [B,S,K] int64 group indices in ascending order, -1 = nothing selected.
-    scores: [B,S,G] fp32 scores after visibility/candidate masking (-inf = not selectable).
-    candidates: [B,S,G] bool, only from the candidate source layer."""
+    scores: [B,S,G] fp32 scores after visibility/candidate masking (-inf = not selectable); None
+    when a Reindex layer took the restricted path (`Indexer.forward`), which never builds them: only
+    the indexer alignment loss reads scores, and asking for it (`need_scores`) keeps the dense path.
+    candidates: [B,S,G] bool and candidate_blocks: [B,S,C] int64 (the kept block ids, ascending,
+    -1 = dropped), both only from the candidate source layer."""
 
     topk_idxs: torch.Tensor
-    scores: torch.Tensor
+    scores: torch.Tensor | None
     candidates: torch.Tensor | None = None
+    candidate_blocks: torch.Tensor | None = None
 
 
 class Indexer(nn.Module):
@@ -85,7 +133,10 @@ class Indexer(nn.Module):
     latent; Reindex layers score the keys published by the latest kv source, inside its candidate
     pool. There is no stale-key fallback: a ratio-2 source always scores its own key cache (the
     reference instead scores the previous publisher's keys on decode steps with an incomplete
-    group, model_reference §3.8; DESIGN.md fixes that).
+    group, model_reference §3.8; DESIGN.md fixes that). The score op comes from `args.impl` at
+    construction: `index_scores_ref`, or the Triton `kernels.indexer.index_scores` (same contract,
+    no [B,S,I,G] buffer). With impl="triton" a Reindex layer at inference scores only its candidate
+    pool (`kernels.indexer.index_scores_restricted`): no [B,S,G] score matrix at all.
     """
 
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -96,6 +147,7 @@ class Indexer(nn.Module):
         self.is_candidate_source = args.is_candidate_source(layer_id)
         self.uses_candidates = args.uses_candidates(layer_id)
         self.candidate_topk_blocks = args.candidate_topk_blocks
+        self.candidate_block_size = args.candidate_block_size
         self.n_heads = args.index_n_heads
         self.head_dim = args.index_head_dim
         self.index_topk = args.index_topk
@@ -106,6 +158,15 @@ class Indexer(nn.Module):
         if self.owns_k:
             self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        self.index_scores = index_scores_ref
+        self.index_scores_restricted = None  # Reindex layers with impl="triton" only
+        if args.impl == "triton":
+            # chosen at construction (STYLE rule 13)
+            from kernels.indexer import index_scores, index_scores_restricted
+
+            self.index_scores = index_scores
+            if self.uses_candidates:
+                self.index_scores_restricted = index_scores_restricted
 
     def index_keys(self, latent_BND: torch.Tensor, freqs_BNr: torch.Tensor, qat: bool) -> torch.Tensor:
         """Index keys [B,N,Di] of new groups from the RoPE-free latent: k_norm(wk), RoPE at the group
@@ -113,6 +174,17 @@ class Indexer(nn.Module):
         k_BND = self.k_norm(self.wk(latent_BND))
         k_BND = apply_rotary_emb(k_BND, freqs_BNr)
         return mxfp4_fake_quant(k_BND) if qat else k_BND
+
+    def queries(
+        self, x_BSD: torch.Tensor, qr_BSQ: torch.Tensor, freqs_BSr: torch.Tensor, qat: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries q [B,S,I,Di] (RoPE, then MXFP4 QDQ under QAT) and head weights w [B,S,I] fp32."""
+        B, S, _ = x_BSD.shape
+        q_BSID = self.wq_b(qr_BSQ).view(B, S, self.n_heads, self.head_dim)
+        q_BSID = apply_rotary_emb(q_BSID, freqs_BSr)
+        if qat:
+            q_BSID = mxfp4_fake_quant(q_BSID)
+        return q_BSID, self.weights_proj(x_BSD).float() * self.weight_scale
 
     def scores(
         self,
@@ -123,15 +195,31 @@ class Indexer(nn.Module):
         qat: bool,
     ) -> torch.Tensor:
         """Raw scores [B,S,G] in fp32 (no masking)."""
-        B, S, _ = x_BSD.shape
-        q_BSID = self.wq_b(qr_BSQ).view(B, S, self.n_heads, self.head_dim)
-        q_BSID = apply_rotary_emb(q_BSID, freqs_BSr)
-        if qat:
-            q_BSID = mxfp4_fake_quant(q_BSID)
-        w_BSI = self.weights_proj(x_BSD).float() * self.weight_scale
-        dots_BSIG = torch.einsum("bsid,bgd->bsig", q_BSID.float(), index_k_BGD.float())
-        # ReLU per head BEFORE the weighted head sum (§3.6 step 5).
-        return torch.einsum("bsig,bsi->bsg", dots_BSIG.relu(), w_BSI)
+        q_BSID, w_BSI = self.queries(x_BSD, qr_BSQ, freqs_BSr, qat)
+        return self.index_scores(q_BSID, index_k_BGD, w_BSI)
+
+    def _takes_restricted_path(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        candidate_blocks_BSC: torch.Tensor | None,
+        contiguous_block_size: int,
+        need_scores: bool,
+    ) -> bool:
+        """Whether this call scores only the candidate pool (`index_scores_restricted`).
+
+        Needs the Triton impl in a Reindex layer, the candidate source's kept blocks, blocks that are
+        contiguous runs of candidate_block_size groups (the kernel maps block c to groups
+        c·bs .. c·bs+bs-1; packed rows with several documents restart blocks per document), no
+        caller asking for the dense scores (the alignment loss), and no gradient: the restricted
+        kernel is forward only, and the indexer trains through the dense, differentiable scores.
+        """
+        if self.index_scores_restricted is None or candidate_blocks_BSC is None or need_scores:
+            return False
+        if contiguous_block_size != self.candidate_block_size:
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        return not any(t.requires_grad for t in (*tensors, *self.parameters()))
 
     def forward(
         self,
@@ -146,21 +234,33 @@ class Indexer(nn.Module):
         block_id_BG: torch.Tensor | None = None,
         n_blocks: int = 0,
         newest_BS: torch.Tensor | None = None,
+        candidate_blocks_BSC: torch.Tensor | None = None,
+        contiguous_block_size: int = 0,
+        need_scores: bool = True,
     ) -> IndexerOutput:
         """Select up to `index_topk` visible groups per query.
 
         Picks whose score is -inf (invisible, or outside the candidate pool) become -1. The
         reference keeps such picks when they are visible but outside the pool; that only happens
         when the pool is smaller than index_topk, which no released configuration allows.
+        A Reindex layer given the candidate source's kept blocks `candidate_blocks_BSC` (and
+        `contiguous_block_size` of the layout, 0 = blocks not contiguous) may take the restricted
+        path (`_takes_restricted_path`): same picks, `scores` None.
         """
-        score_BSG = self.scores(x_BSD, qr_BSQ, index_k_BGD, freqs_BSr, qat)
-        score_BSG = score_BSG.masked_fill(~visible_BSG, -torch.inf)
-        candidates = None
+        q_BSID, w_BSI = self.queries(x_BSD, qr_BSQ, freqs_BSr, qat)
+        inputs = (x_BSD, qr_BSQ, index_k_BGD)
+        if self._takes_restricted_path(inputs, candidate_blocks_BSC, contiguous_block_size, need_scores):
+            assert candidate_blocks_BSC is not None
+            idx_BSK = self._restricted_topk(q_BSID, index_k_BGD, w_BSI, visible_BSG, candidate_blocks_BSC)
+            return IndexerOutput(idx_BSK, None)
+        score_BSG = self.index_scores(q_BSID, index_k_BGD, w_BSI, visible_BSG)
+        candidates = blocks = None
         if self.is_candidate_source:
             assert block_id_BG is not None and newest_BS is not None
-            candidates = select_candidate_blocks(
+            blocks = candidate_block_ids(
                 score_BSG.detach(), block_id_BG, n_blocks, newest_BS, self.candidate_topk_blocks
             )
+            candidates = candidate_mask(blocks, block_id_BG, n_blocks)
         elif self.uses_candidates:
             assert candidates_BSG is not None, f"layer {self.layer_id} needs the candidate pool"
             score_BSG = score_BSG.masked_fill(~candidates_BSG, -torch.inf)
@@ -168,4 +268,27 @@ class Indexer(nn.Module):
         idx_BSK = torch.where(vals_BSK > -torch.inf, idx_BSK, -1)
         # Position order like the reference (-1 first); attention does not depend on the order.
         idx_BSK = idx_BSK.sort(dim=-1).values
-        return IndexerOutput(idx_BSK, score_BSG, candidates)
+        return IndexerOutput(idx_BSK, score_BSG, candidates, blocks)
+
+    def _restricted_topk(
+        self,
+        q_BSID: torch.Tensor,
+        index_k_BGD: torch.Tensor,
+        w_BSI: torch.Tensor,
+        visible_BSG: torch.Tensor,
+        blocks_BSC: torch.Tensor,
+    ) -> torch.Tensor:
+        """topk_idxs [B,S,K] (K = min(index_topk, G), as the dense path) from the candidate blocks'
+        scores [B,S,C·bs]. The kernel lays the pool out in ascending group order (blocks ascending,
+        groups ascending inside each block), so `topk_indices`' newer-wins tie rule picks the same
+        groups as over the dense, pool-masked [B,S,G] scores."""
+        K = min(self.index_topk, index_k_BGD.size(1))
+        score_BSN, ids_BSN = self.index_scores_restricted(
+            q_BSID.contiguous(), index_k_BGD.contiguous(), w_BSI.contiguous(), blocks_BSC,
+            self.candidate_block_size, visible_BSG,
+        )  # fmt: skip
+        vals_BSK, pos_BSK = topk_indices(score_BSN, K)
+        idx_BSK = torch.where(vals_BSK > -torch.inf, ids_BSN.gather(-1, pos_BSK), -1)
+        # a pool smaller than K (few blocks kept): the dense path's extra picks are all -1
+        idx_BSK = torch.nn.functional.pad(idx_BSK, (0, K - idx_BSK.size(-1)), value=-1)
+        return idx_BSK.sort(dim=-1).values

@@ -101,7 +101,19 @@ def test_incremental_layout_equals_packed_layout_rows():
             assert not gf.visible[:, start : start + n, G:].any()
             assert torch.equal(gi.newest, gf.newest[:, start : start + n])
             assert torch.equal(gi.block_id, gf.block_id[:, :G])
+            assert gi.contiguous_block_size == gf.contiguous_block_size == bs
             assert gi.anchor_pos.tolist() == [[(start // r + j) * r for j in range(gi.anchor_pos.size(1))]]
+
+
+def test_blocks_are_contiguous_only_with_one_document_per_row():
+    """contiguous_block_size (block_id == g // bs, which the Triton Reindex path needs) is bs for
+    incremental calls and single-document packed rows, 0 where blocks restart per document."""
+    one = build_packed_layout(torch.zeros(2, 9, dtype=torch.long), 4, (1, 2), 4)
+    assert [one.groups[r].contiguous_block_size for r in (1, 2)] == [4, 4]
+    two = build_packed_layout(torch.tensor([[0] * 6 + [1] * 5]), 4, (1,), 4).groups[1]
+    assert two.block_id[0].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    assert two.contiguous_block_size == 0
+    assert build_incremental_layout(1, 5, 3, 4, 0, (1,), 4, CPU).groups[1].contiguous_block_size == 4
 
 
 def test_ratio2_group_visible_only_when_complete_odd_and_even():

@@ -1,0 +1,76 @@
+"""The inference engine on a packed cache with impl="triton" (debug model, QAT on): each layer's
+attention reads the packed FP4 main-KV entries it picks as bytes (kernels/sparse_attn.py `ckv=`),
+so the bank is never unpacked whole, and generation equals the same model on a dense cache (token
+for token; log-prob for log-prob under the interpreter, where both paths do the same arithmetic).
+Here rather than in tests/model because the Triton kernels run under this folder's interpreter."""
+
+import functools
+
+import pytest
+import torch
+
+from model.config import get_flavor
+
+
+def _word_level_hasher(args):  # test modules cannot import each other (--import-mode=importlib)
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from model.engram import EngramHasher
+
+    vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
+    return EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>")))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@functools.cache
+def _model(device: str):
+    from model.transformer import Transformer
+
+    args = get_flavor("debug", impl="triton")
+    assert args.qat  # a packed cache is lossless only on the fake-quant grid
+    model = Transformer(args, engram_hasher=_word_level_hasher(args))
+    model.init_weights(seed=0, std=0.1)
+    return model.to(device)
+
+
+def test_packed_cache_is_read_as_bytes_and_generates_as_dense(device, monkeypatch):
+    from model import attention
+    from model.engine import InferenceEngine
+
+    model = _model(device)
+    prompts = [_prompt(10, 0), _prompt(9, 1)]  # several complete groups of ratio 2 and 4: a bank to read
+    runs = {}
+    for packed in (False, True):
+        if packed:  # the bank's main KV must never be unpacked whole
+            monkeypatch.setattr(attention, "unpack_main_kv", lambda *a, **k: pytest.fail("bank unpacked"))
+        engine = InferenceEngine(model, None, max_sessions=2, device=device, packed_cache=packed)
+        sids = [engine.start(p) for p in prompts]
+        gens = engine.generate(sids, 2, stop_ids=())
+        engine.extend(sids[0], _prompt(3, 2))  # a second turn: prefill on top of the cache
+        gens += engine.generate(sids[:1], 1, stop_ids=())
+        runs[packed] = gens, engine.cache(sids[0])
+    (dense, _), (packed, packed_cache) = runs[False], runs[True]
+    assert any(c.compress_kv is not None and c.compress_kv.dtype == torch.uint8 for c in packed_cache.layers)
+    for g, w in zip(packed, dense):
+        assert g.token_ids == w.token_ids
+        if device == "cpu":
+            assert g.logprobs == w.logprobs
+        else:  # compiled, the dots' operands come by another path (registers vs async copies)
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=2e-2)
+
+
+def test_packed_cache_refuses_gradients(device):
+    """Packed caches are inference storage: a grad-enabled forward through one is an error."""
+    from model.engine import InferenceEngine
+
+    model = _model(device)
+    engine = InferenceEngine(model, None, max_sessions=1, device=device, packed_cache=True)
+    sid = engine.start(_prompt(9, 3))
+    cache = engine.cache(sid)
+    ids = torch.tensor([[5]], device=device)
+    with pytest.raises(ValueError, match="inference storage"):
+        model.forward_incremental(ids, cache.seq_len, cache)
