@@ -3,9 +3,11 @@
     python bench/indexer.py            # one H200: decode, prefill (fwd, fwd+bwd), restricted
     python bench/indexer.py --quick    # no tile sweep, no restricted case
     python bench/indexer.py --tiny     # CPU smoke run of the same code at tiny sizes (interpreter)
+    python bench/indexer.py --no-compile  # the torch reference eager only
 
 One JSON line per measurement: Triton (each swept tile config, then the best) and the torch
-reference in eager mode, with ms, TFLOP/s (2·B·S·I·G·Di for the dots; x3 for fwd+bwd) and GB/s (the
+reference in eager mode and, for the forward (not with --no-compile), under torch.compile, with ms,
+TFLOP/s (2·B·S·I·G·Di for the dots; x3 for fwd+bwd) and GB/s (the
 bytes the op must move: q, k, w, mask, scores), then a max-abs-error line per case. Sizes: the
 released config's index heads (flash_args: index_n_heads 32, index_head_dim 128); decode B 64, S 1,
 G 8192 groups, all visible; prefill B 1, S 4096, G 1024, causal at ratio 4 (a tile no query sees
@@ -45,6 +47,9 @@ BWD_SWEEP = [
     {"BM": 128, "BG": 64, "num_warps": 8, "num_stages": 2},
     {"BM": 64, "BG": 128, "num_warps": 8, "num_stages": 2},
 ]
+
+
+COMPILE = {"on": True}  # --no-compile: the torch reference eager only (compiling takes minutes)
 
 
 def _emit(rec: dict) -> None:
@@ -102,6 +107,16 @@ def bench_scores(name, B, S, I, Di, G, causal, device, sweep, bwd_sweep, timer) 
     _emit(meta | {"op": "fwd", "impl": "torch_eager", **_rates(ref_ms, nbytes, flops)})
     if best is not None:
         _emit(meta | {"op": "fwd", "speedup_vs_eager": round(ref_ms / best, 2)})
+    if COMPILE["on"]:
+        try:
+            compiled = torch.compile(ki.index_scores_ref)
+            compiled(q, k, w, vis)  # compile outside the timed region
+            comp_ms = timer(lambda: compiled(q, k, w, vis))
+            _emit(meta | {"op": "fwd", "impl": "torch_compile", **_rates(comp_ms, nbytes, flops)})
+            if best is not None:
+                _emit(meta | {"op": "fwd", "speedup_vs_compile": round(comp_ms / best, 2)})
+        except Exception as e:  # report, keep benchmarking the rest
+            _emit(meta | {"op": "fwd", "warning": f"torch.compile failed: {type(e).__name__}: {str(e)[:200]}"})
     out, ref = ki.index_scores(q, k, w, vis), ki.index_scores_ref(q, k, w, vis)
     fin = torch.isfinite(ref)
     err = (out[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
@@ -168,7 +183,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="shipped tiles only, no restricted case")
     p.add_argument("--tiny", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1 (smoke run)")
+    p.add_argument("--no-compile", action="store_true", help="time the torch reference eager only")
     a = p.parse_args()
+    COMPILE["on"] = not a.no_compile
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"  # before kernels/ imports triton
         device = "cpu"
