@@ -17,12 +17,11 @@ HB heads per dot, BG groups, BM (query, head) rows, BN restricted groups.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import dot_args, launch_opts, sm_count
 from kernels.quant import cast_rne
 from model.indexer import index_scores_ref
 
@@ -54,24 +53,6 @@ _DECODE_MAX_S = 16  # fewer queries than one 16-row dot tile: put heads on the M
 # dk programs per device SM: rows are split until about this many programs run (fp32 partials)
 BWD_CONFIG = {"BM": 64, "BG": 64, "num_warps": 4, "num_stages": 2, "dk_programs_per_sm": 2}
 RESTRICTED_CONFIG = {"HB": 64, "BN": 64, "num_warps": 4, "num_stages": 2}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _dot_args(dtype: torch.dtype) -> dict:
-    """fp32 dot operands (F32_DOT) under the interpreter, whose 16-bit tl.dot is broken, and for fp32
-    inputs; fp32 takes TF32 only when torch's fp32 matmuls do (kernels/sparse_attn.py's rule).
-    bf16/fp16 products are exact in the fp32 accumulator, so 16-bit dots match the reference's fp32
-    einsum up to summation order (MXFP4 grid values under QAT are exact in bf16)."""
-    f32 = _interpreting() or dtype == torch.float32
-    ieee = _interpreting() or (f32 and not torch.backends.cuda.matmul.allow_tf32)
-    return {"F32_DOT": f32, "DOT_PREC": "ieee" if ieee else "tf32"}
-
-
-def _opts(cfg: dict) -> dict:
-    return {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
 def _dp(di: int) -> int:
@@ -321,7 +302,7 @@ def index_scores_fwd(
         q_BSID, k_BGD, w_BSI, vis, score, bmax if bmax is not None else score,
         S, G, I, nb, svb, svs, svg,
         DI=Di, DP=_dp(Di), BS=cfg["BS"], HB=cfg["HB"], BG=cfg["BG"], BLOCK=block_size,
-        HAS_VIS=visible_BSG is not None, **_dot_args(q_BSID.dtype), **_opts(cfg),
+        HAS_VIS=visible_BSG is not None, **dot_args(q_BSID.dtype), **launch_opts(cfg),
     )  # fmt: skip
     return score, bmax
 
@@ -349,7 +330,7 @@ def index_scores_bwd(
         dk = torch.zeros_like(k_BGD) if need_dk else None
         return torch.zeros_like(q_BSID), dk, torch.zeros_like(w_BSI)
     common = {"DI": Di, "DP": _dp(Di), "BM": cfg["BM"], "BG": cfg["BG"], "HAS_VIS": visible_BSG is not None}
-    common |= _dot_args(q_BSID.dtype) | _opts(cfg)
+    common |= dot_args(q_BSID.dtype) | launch_opts(cfg)
     dq, dw = torch.empty_like(q_BSID), torch.empty_like(w_BSI)
     n_rows = triton.cdiv(R, cfg["BM"])
     _bwd_dq_kernel[(n_rows, B)](q_BSID, k_BGD, w_BSI, vis, ds, dq, dw, S, G, I, svb, svs, svg, **common)
@@ -358,8 +339,7 @@ def index_scores_bwd(
     n_g = triton.cdiv(G, cfg["BG"])
     splits = cfg.get("dk_splits")
     if splits is None:  # enough programs to fill the device; few when the group tiles already do
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if q_BSID.is_cuda else 2
-        splits = sms * cfg["dk_programs_per_sm"] // (n_g * B)
+        splits = sm_count(dev) * cfg["dk_programs_per_sm"] // (n_g * B)
     tiles_per_split = triton.cdiv(n_rows, max(1, min(int(splits), n_rows)))
     splits = triton.cdiv(n_rows, tiles_per_split)
     dkp = torch.empty(splits, B, G, Di, dtype=torch.float32, device=dev)
@@ -463,7 +443,7 @@ def index_scores_restricted(
     _restricted_kernel[(B * S, triton.cdiv(N, bn))](
         q_BSID, k_BGD, w_BSI, bidx, vis, score, ids, S, G, I, C, svb, svs, svg,
         DI=Di, DP=_dp(Di), HB=hb, BN=bn, BLOCK=block_size,
-        HAS_VIS=visible_BSG is not None, **_dot_args(q_BSID.dtype), **_opts(cfg),
+        HAS_VIS=visible_BSG is not None, **dot_args(q_BSID.dtype), **launch_opts(cfg),
     )  # fmt: skip
     return score, ids
 

@@ -19,13 +19,12 @@ N = T·K assignments (sorted by expert), BM/BN/BK the row/column/reduction tile.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.launch import dot_args, interpreting, launch_opts
 from kernels.quant import cast_rne
 
 __all__ = ["moe_experts", "moe_ref", "CONFIG"]
@@ -40,10 +39,6 @@ CONFIG = {
     "dx": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
     "wgrad": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
 }
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,20 +263,6 @@ def _config(name: str, dtype: torch.dtype) -> dict:
     return {**cfg, "BK": cfg["BK"] // 2} if dtype.itemsize == 4 else cfg
 
 
-def _dot_args(dtype: torch.dtype) -> dict:
-    """fp32 dot operands under the interpreter (its 16-bit tl.dot is unreliable) and for fp32 inputs.
-    fp32 inputs take TF32 tensor-core dots when torch's fp32 matmuls do
-    (`torch.backends.cuda.matmul.allow_tf32`, as the demo sets on a GPU), else full-precision FMA
-    dots ("ieee"), so the kernel keeps the reference's precision either way."""
-    f32 = _interpreting() or dtype == torch.float32
-    ieee = _interpreting() or (f32 and not torch.backends.cuda.matmul.allow_tf32)
-    return {"F32_DOT": f32, "DOT_PREC": "ieee" if ieee else "tf32"}
-
-
-def _opts(cfg: dict) -> dict:
-    return {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-
-
 _offsets_cache: dict[tuple, torch.Tensor] = {}
 
 
@@ -349,7 +330,7 @@ def _rows_mm(sched, a, a_idx, b, bofs, c, c_idx, KA, NC, stride_bk, stride_bn, c
         gu, wgt, dwgt, sched.E, KA, NC, stride_bk, stride_bn, float(limit),
         EP=triton.next_power_of_2(sched.E), BM=bm, BN=bn, BK=bk, A_GATHER=a_idx is not None, DUAL=b2 is not None,
         C_SCATTER=c_idx is not None, SWIGLU_BWD=swiglu is not None, HAS_LIMIT=limit > 0,
-        **_dot_args(a.dtype), **_opts(cfg),
+        **dot_args(a.dtype), **launch_opts(cfg),
     )  # fmt: skip
     return grid[0]
 
@@ -361,7 +342,7 @@ def _wgrad(sched, a, a_idx, b, b_idx, P, Q, dtype, cfg) -> torch.Tensor:
     _wgrad_kernel[grid](
         a, a_idx if a_idx is not None else a, b, b_idx if b_idx is not None else b, c, sched.offs, P, Q,
         BM=bm, BN=bn, BK=bk, A_GATHER=a_idx is not None, B_GATHER=b_idx is not None,
-        **_dot_args(a.dtype), **_opts(cfg),
+        **dot_args(a.dtype), **launch_opts(cfg),
     )  # fmt: skip
     return c
 
@@ -373,7 +354,7 @@ def _up(sched, x_TD, w1, w1ofs, w3, w3ofs, wgt_N, gu, h, limit, cfg):
         x_TD, w1, w3, w1ofs, w3ofs, sched.tok_N, wgt_N, gu, h, *sched.row_args(bm),
         sched.E, D, Fi, float(limit),
         EP=triton.next_power_of_2(sched.E), BM=bm, BN=bn, BK=bk, HAS_LIMIT=limit > 0,
-        **_dot_args(x_TD.dtype), **_opts(cfg),
+        **dot_args(x_TD.dtype), **launch_opts(cfg),
     )  # fmt: skip
 
 
@@ -429,7 +410,7 @@ class _MoEExperts(torch.autograd.Function):
         if T:
             bd = min(triton.next_power_of_2(D), 256)
             _sum_slots_kernel[(triton.cdiv(T, 16), triton.cdiv(D, bd))](
-                dx_N, dx_TD, T, D, K=sched.K, BT=16, BD=bd, **({} if _interpreting() else {"num_warps": 4})
+                dx_N, dx_TD, T, D, K=sched.K, BT=16, BD=bd, **({} if interpreting() else {"num_warps": 4})
             )
         dW13 = _wgrad(sched, dgu, None, x_TD, sched.tok_N, 2 * Fi, D, ws[0].dtype, cfg_wg)
         dW2 = _wgrad(sched, dy, sched.slot_N, h, None, D, Fi, ws[0].dtype, cfg_wg)

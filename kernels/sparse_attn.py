@@ -18,13 +18,12 @@ SPLIT index chunks per row.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from kernels.launch import dot_args, interpreting, launch_opts, sm_count
 from kernels.quant_math import _e4m3_of_byte, cast_rne
 from model.attention import sparse_attn_ref
 
@@ -43,14 +42,15 @@ __all__ = [
 # Decode (B·M = 64 query rows) splits each row's indices over SPLIT programs ("auto": enough for
 # one program per SM), each writing an unnormalised fp32 partial that a second kernel combines:
 # 42.0-42.9 us against 49.4-50.3 us for the best earlier kernel (a transposed Sᵀ = kv·qᵀ kernel
-# with 32 heads per program, removed) and 55-57 us unsplit, timed in one process; the machine's
+# with 32 heads per program, removed) and 55-58 us unsplit, timed in one process; the machine's
 # slow spells move every figure by up to 20% between processes. Tried and not kept: the
 # last-finishing split combining in-kernel (a semaphore; 50 us: the combine becomes every
-# program's serial tail), 3-4 splits (two waves), rows prefetched into registers a block ahead,
-# split-K of the transposed kernel. What bounds it: the gathers alone (no dots) reach 39-40% of
-# HBM and a copy of as many bytes 71% (bench/kernels.py prints both), the dots alone (probe kernel,
-# one block reused) take 21 us, and Triton's pipeliner does not overlap them: it issues the next
-# block's gather (its address depends on a loaded index) after this block's dots and waits for it
+# program's serial tail), 3-4 splits (two waves), the transposed kernel with its rows prefetched
+# into registers a block ahead, split-K of the transposed kernel. What bounds it: the gathers
+# alone (no dots) reach 39-40% of HBM and a copy of as many bytes 71% (bench/kernels.py prints
+# both), the transposed kernel's dots alone (probe kernel, one block reused) take 21 us, and
+# Triton's pipeliner does not overlap them: it issues the next block's gather (its address depends
+# on a loaded index) after this block's dots and waits for it
 # at the top of the next iteration.
 # Packed main-KV entries (ckv=) are decoded per element from their bytes. A variant decoding whole
 # rows with tl.interleave/reshape ran at 61 us against 187 us for this one, but gave wrong outputs
@@ -73,21 +73,6 @@ def _pick_config(n_rows: int) -> dict:
 
 
 _fitted: dict[tuple, dict] = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _dot_args(dtype: torch.dtype) -> dict:
-    """fp32 dot operands (F32_DOT) under the interpreter, whose 16-bit tl.dot is broken, and for fp32
-    inputs. fp32 inputs take TF32 tensor-core dots when torch's fp32 matmuls do
-    (`torch.backends.cuda.matmul.allow_tf32`, as the demo sets on a GPU; kernels/moe.py's rule), else
-    full-precision FMA dots ("ieee"): the reference's precision either way. With ieee dots the fp32
-    demo of `small` trained slower with impl=triton than with torch (407 against 564 tokens/s)."""
-    f32 = _interpreting() or dtype == torch.float32
-    ieee = _interpreting() or (f32 and not torch.backends.cuda.matmul.allow_tf32)
-    return {"F32_DOT": f32, "DOT_PREC": "ieee" if ieee else "tf32"}
 
 
 @triton.jit
@@ -286,10 +271,10 @@ def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):
     n_hb = triton.cdiv(H, bh)
     split = cfg["SPLIT"]
     if split == "auto":  # enough chunks per row for one program per SM, whole blocks each
-        split = max(1, min(_sm_count(q.device) // (B * M * n_hb), triton.cdiv(K, cfg["BK"]), 8))
+        split = max(1, min(sm_count(q.device) // (B * M * n_hb), triton.cdiv(K, cfg["BK"]), 8))
     if lse is not None or dv != Dh:
         split = 1  # the autograd forward writes lse; the DV split already multiplies the programs
-    opts = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    opts = launch_opts(cfg)
     part = ml = o
     if split > 1:
         part = torch.empty(split, B * M, H, Dh, dtype=torch.float32, device=q.device)
@@ -299,27 +284,14 @@ def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):
         q, kv, attn_sink, idxs, o, lse if lse is not None else o, part, ml, ckv if ckv is not None else o,
         M, H, N, K, G, float(scale),
         DH=Dh, BH=bh, BK=cfg["BK"], BDK=bdk, DV=dv,
-        STORE_LSE=lse is not None, SPLIT=split, PACKED=ckv is not None, **_dot_args(q.dtype), **opts,
+        STORE_LSE=lse is not None, SPLIT=split, PACKED=ckv is not None, **dot_args(q.dtype), **opts,
     )  # fmt: skip
     if split > 1:
         _sparse_attn_combine_kernel[(B * M, triton.cdiv(H, 16))](
             part, ml, attn_sink, o, B * M, H, DH=Dh, SPLIT=split, BH=16,
-            **({} if _interpreting() else {"num_warps": 4}),
+            **({} if interpreting() else {"num_warps": 4}),
         )  # fmt: skip
     return o
-
-
-_SMS: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter), so that CPU tests
-    of decode-sized calls take the split path too."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
 
 
 @triton.jit
@@ -387,10 +359,10 @@ def sparse_attn_bwd(q, kv, attn_sink, idxs, scale, o, lse, do, config: dict | No
     dsink = torch.zeros(B * M, H, dtype=torch.float32, device=q.device)
     if q.numel() and K:
         bh = min(cfg["BH"], max(16, triton.next_power_of_2(H)))
-        opts = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+        opts = launch_opts(cfg)
         _sparse_attn_bwd_kernel[(B * M, triton.cdiv(H, bh))](
             q, kv, attn_sink, idxs, o, do, lse, dq, dkv, dsink, M, H, N, K, float(scale),
-            DH=Dh, BH=bh, BK=cfg["BK"], **_dot_args(q.dtype), **opts,
+            DH=Dh, BH=bh, BK=cfg["BK"], **dot_args(q.dtype), **opts,
         )  # fmt: skip
     else:
         dq.zero_()

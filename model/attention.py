@@ -467,8 +467,11 @@ class Attention(nn.Module):
         ckv_BGD = cidx_BSK = index_out = p_comp = None
         if self.compress_ratio > 0:
             ckv_BGD, cidx_BSK, index_out = self._compressed(x_BSD, qr_BSQ, freqs_BSr, ctx, cache)
-            if ckv_BGD.dtype == torch.uint8:  # a packed cache's entries: the kernel decodes the picks
-                return self._attend_packed(q_BSHD, kv_BTD, ckv_BGD, cidx_BSK, ctx, freqs_BSr)
+        # a packed cache's main-KV entries (impl=triton): the kernel decodes the rows it picks
+        packed = ckv_BGD is not None and ckv_BGD.dtype == torch.uint8
+        if packed and (torch.is_grad_enabled() or ctx.indexer_loss):
+            raise ValueError("a packed LayerCache is inference storage: run without gradients or indexer loss")
+        if ckv_BGD is not None and not packed:
             ckv_BGD = ckv_BGD.to(kv_BTD.dtype)
         if self.sparse_attn is sparse_attn_ref:
             o_BSHD, p_comp = windowed_sparse_attn(
@@ -479,32 +482,22 @@ class Attention(nn.Module):
             kv_all, idxs_BSK = kv_BTD, lay.win_idxs
             if ckv_BGD is not None:
                 T = kv_BTD.size(1)
-                kv_all = torch.cat([kv_BTD, ckv_BGD], dim=1)
                 idxs_BSK = torch.cat([idxs_BSK, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
-            o_BSHD = self.sparse_attn(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
+            if packed:  # rows past the window come from the packed bank (kernels/sparse_attn.py `ckv=`)
+                o_BSHD = self.sparse_attn_packed(
+                    q_BSHD.contiguous(), kv_BTD.contiguous(), self.attn_sink.float().contiguous(),
+                    idxs_BSK.contiguous(), self.softmax_scale, ckv=ckv_BGD,
+                )  # fmt: skip
+            else:
+                if ckv_BGD is not None:
+                    kv_all = torch.cat([kv_BTD, ckv_BGD], dim=1)
+                o_BSHD = self.sparse_attn(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
             if ctx.indexer_loss and index_out is not None:
                 with torch.no_grad():
                     probs = sparse_attn_probs_ref(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
                 p_comp = probs[..., lay.win_idxs.size(-1) :]
         if ctx.indexer_loss and index_out is not None:
             ctx.state.indexer_losses.append(indexer_alignment_loss(index_out, p_comp))
-        return self._project_out(o_BSHD, freqs_BSr)
-
-    def _attend_packed(self, q_BSHD, kv_BTD, ckv_BGE, cidx_BSK, ctx: AttnContext, freqs_BSr) -> torch.Tensor:
-        """Attention over the window rows and the packed bank's picked entries, read by the kernel as
-        bytes (kernels/sparse_attn.py `ckv=`): the bank is never unpacked whole. Inference only."""
-        if torch.is_grad_enabled() or ctx.indexer_loss:
-            raise ValueError("a packed LayerCache is inference storage: run without gradients or indexer loss")
-        T = kv_BTD.size(1)
-        idxs_BSK = torch.cat([ctx.layout.win_idxs, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
-        o_BSHD = self.sparse_attn_packed(
-            q_BSHD.contiguous(), kv_BTD.contiguous(), self.attn_sink.float().contiguous(), idxs_BSK.contiguous(),
-            self.softmax_scale, ckv=ckv_BGE,
-        )  # fmt: skip
-        return self._project_out(o_BSHD, freqs_BSr)
-
-    def _project_out(self, o_BSHD: torch.Tensor, freqs_BSr: torch.Tensor) -> torch.Tensor:
-        B, S = o_BSHD.shape[:2]
         # Remove the query rotation the rope dims of V picked up (cache stays in one rotated form).
         o_BSHD = apply_rotary_emb(o_BSHD, freqs_BSr, inverse=True)
         # wo_a is block-diagonal over o_groups: group g projects only its own heads.

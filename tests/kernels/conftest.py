@@ -26,3 +26,25 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 )
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def debug_model():
+    """Factory of the `debug` Transformer for the model-level kernel tests: `debug_model(impl, seed,
+    device)` builds it with `init_weights(seed, std=0.1)`, its Engram hashed over a word-level
+    tokenizer of its own vocabulary (no tokenizer files)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from model.config import get_flavor
+    from model.engram import EngramHasher
+    from model.transformer import Transformer
+
+    def make(impl: str = "torch", seed: int = 0, device: str = "cpu") -> Transformer:
+        args = get_flavor("debug", impl=impl)
+        vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
+        model = Transformer(args, engram_hasher=EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>"))))
+        model.init_weights(seed=seed, std=0.1)
+        return model.to(device)
+
+    return make

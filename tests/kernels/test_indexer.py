@@ -174,30 +174,14 @@ def test_launchers_reject_bad_inputs(device):
         ki.index_scores_fwd(q, k[:, :, :16].contiguous(), w)
 
 
-def _word_level_hasher(args):
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models
-
-    from model.engram import EngramHasher
-
-    vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
-    return EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>")))
-
-
-def test_model_triton_impl_picks_the_same_groups(device):
+def test_model_triton_impl_picks_the_same_groups(device, debug_model):
     """The debug Transformer with impl=triton (Triton indexer, and the other kernels) against
     impl=torch: same top-k at every index layer (Full, candidate source, Reindex), same logits and
     indexer-loss gradients within tolerance. fp32: the kernels' fp32 dots follow the reference."""
-    from model.config import get_flavor
-    from model.transformer import Transformer
-
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1)).to(device)
     runs = {}
     for impl in ("torch", "triton"):
-        args = get_flavor("debug", impl=impl)
-        model = Transformer(args, engram_hasher=_word_level_hasher(args))
-        model.init_weights(seed=1, std=0.1)
-        model.to(device)
+        model = debug_model(impl, seed=1, device=device)
         picks = {}
         for i, layer in enumerate(model.layers):
             if layer.attn.indexer is not None:
@@ -226,19 +210,15 @@ def test_reference_is_the_indexers_formula():
     assert torch.equal(ki.index_scores_ref(q, k, w, vis), want.masked_fill(~vis, -torch.inf))
 
 
-def test_triton_indexer_replays_the_models_indexer_calls(device):
+def test_triton_indexer_replays_the_models_indexer_calls(device, debug_model):
     """Each index layer's call inside the torch debug model (QAT, causal masks, the candidate pool),
     replayed through an `Indexer` built with impl=triton: same picks, candidates, scores; the other
     kernels play no part, so this holds exactly wherever the scores do. The no-grad Reindex call
     takes the restricted path (tests/kernels/test_indexer_restricted.py): no scores to compare."""
     from model.config import get_flavor
     from model.indexer import Indexer
-    from model.transformer import Transformer
 
-    args = get_flavor("debug")
-    model = Transformer(args, engram_hasher=_word_level_hasher(args))
-    model.init_weights(seed=2, std=0.1)
-    model.to(device)
+    model = debug_model("torch", seed=2, device=device)
     calls = {}
     for i, layer in enumerate(model.layers):
         if layer.attn.indexer is not None:

@@ -19,17 +19,6 @@ REINDEX = [i for i in range(ARGS["torch"].n_layers) if ARGS["torch"].layer_role(
 BS = ARGS["torch"].candidate_block_size
 
 
-def _word_level_hasher(args):
-    # as tests/kernels/test_indexer.py (test modules import no helpers from each other)
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models
-
-    from model.engram import EngramHasher
-
-    vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
-    return EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>")))
-
-
 def _indexers(device):
     """The debug model's Reindex indexer in both impls, same weights: integer wq_b (exact dots for
     integer qr), two of four heads weighted 0 (more all-ReLU-zero scores: ties)."""
@@ -133,12 +122,8 @@ def test_restricted_path_only_without_gradient_or_dense_consumers(device):
     assert dense(need_scores=True)
 
 
-def _model(impl, device, zero_heads=True):
-    from model.transformer import Transformer
-
-    args = ARGS[impl]
-    model = Transformer(args, engram_hasher=_word_level_hasher(args))
-    model.init_weights(seed=1, std=0.1)
+def _model(debug_model, impl, device, zero_heads=True):
+    model = debug_model(impl, seed=1)
     if zero_heads:  # Reindex heads 0..2 weighted 0: many all-ReLU-zero scores, ties at the cut
         for i in REINDEX:
             model.layers[i].attn.indexer.weights_proj.weight.data[:3] = 0
@@ -162,14 +147,14 @@ def _record(model, calls, monkeypatch=None):
             monkeypatch.setattr(ix, "index_scores", no_dense)
 
 
-def test_model_no_grad_triton_picks_equal_torch(device, monkeypatch):
+def test_model_no_grad_triton_picks_equal_torch(device, monkeypatch, debug_model):
     """The debug Transformer (candidate source 4, Reindex 6) teacher-forced without gradients: the
     Triton model's Reindex layer never builds dense scores and every index layer picks what the
     torch model picks, over 40 tokens (pool of 12 groups, index_topk 8)."""
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1)).to(device)
     runs = {}
     for impl in ("torch", "triton"):
-        model, calls = _model(impl, device), {}
+        model, calls = _model(debug_model, impl, device), {}
         _record(model, calls, monkeypatch if impl == "triton" else None)
         pools = []
         src = model.layers[ARGS[impl].candidate_source_layer].attn.indexer
@@ -188,7 +173,7 @@ def test_model_no_grad_triton_picks_equal_torch(device, monkeypatch):
     torch.testing.assert_close(tri_logits, ref_logits, **tol)
 
 
-def test_engine_greedy_decode_triton_equals_torch(device, monkeypatch):
+def test_engine_greedy_decode_triton_equals_torch(device, monkeypatch, debug_model):
     """Incremental decode through the inference engine (prefill, then one token per call): the
     Triton model's Reindex layer takes the restricted path at every call, and the greedy tokens and
     every index layer's picks equal the torch model's."""
@@ -197,7 +182,7 @@ def test_engine_greedy_decode_triton_equals_torch(device, monkeypatch):
     prompt = torch.randint(0, 512, (28,), generator=torch.Generator().manual_seed(2)).tolist()
     runs = {}
     for impl in ("torch", "triton"):
-        model, calls = _model(impl, device), {}
+        model, calls = _model(debug_model, impl, device), {}
         _record(model, calls, monkeypatch if impl == "triton" else None)
         engine = InferenceEngine(model, None, max_sessions=1, device=device)
         sid = engine.start(prompt)

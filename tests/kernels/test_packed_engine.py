@@ -5,44 +5,20 @@ for token; log-prob for log-prob under the interpreter, where both paths do the 
 in the prompt's prefill (many queries) and in decode.
 Here rather than in tests/model because the Triton kernels run under this folder's interpreter."""
 
-import functools
-
 import pytest
 import torch
-
-from model.config import get_flavor
-
-
-def _word_level_hasher(args):  # test modules cannot import each other (--import-mode=importlib)
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models
-
-    from model.engram import EngramHasher
-
-    vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
-    return EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>")))
 
 
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@functools.cache
-def _model(device: str):
-    from model.transformer import Transformer
-
-    args = get_flavor("debug", impl="triton")
-    assert args.qat  # a packed cache is lossless only on the fake-quant grid
-    model = Transformer(args, engram_hasher=_word_level_hasher(args))
-    model.init_weights(seed=0, std=0.1)
-    return model.to(device)
-
-
-def test_packed_cache_is_read_as_bytes_and_generates_as_dense(device, monkeypatch):
+def test_packed_cache_is_read_as_bytes_and_generates_as_dense(device, monkeypatch, debug_model):
     from model import attention
     from model.engine import InferenceEngine
 
-    model = _model(device)
+    model = debug_model("triton", device=device)
+    assert model.args.qat  # a packed cache is lossless only on the fake-quant grid
     prompt = _prompt(10, 0)  # several complete groups of ratio 2 and 4: a bank to read
     runs = {}
     for packed in (False, True):
@@ -63,11 +39,11 @@ def test_packed_cache_is_read_as_bytes_and_generates_as_dense(device, monkeypatc
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=2e-2)
 
 
-def test_packed_cache_refuses_gradients(device):
+def test_packed_cache_refuses_gradients(device, debug_model):
     """Packed caches are inference storage: a grad-enabled forward through one is an error."""
     from model.engine import InferenceEngine
 
-    model = _model(device)
+    model = debug_model("triton", device=device)
     engine = InferenceEngine(model, None, max_sessions=1, device=device, packed_cache=True)
     sid = engine.start(_prompt(9, 3))
     cache = engine.cache(sid)
