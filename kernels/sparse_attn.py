@@ -33,31 +33,34 @@ __all__ = [
     "sparse_attn_bwd",
     "sparse_attn_ref",
     "DECODE_CONFIG",
+    "PACKED_CONFIG",
     "TRAIN_CONFIG",
     "BWD_CONFIG",
 ]
 
-# Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16). All
-# keep whole q rows resident and load each gathered K = V row once per block (BDK "full", DV = Dh).
-# Decode (B·M = 64 query rows) splits each row's indices over SPLIT programs ("auto": enough for
-# one program per SM), each writing an unnormalised fp32 partial that a second kernel combines:
-# 42.0-42.9 us against 49.4-50.3 us for the best earlier kernel (a transposed Sᵀ = kv·qᵀ kernel
-# with 32 heads per program, removed) and 55-58 us unsplit, timed in one process; the machine's
-# slow spells move every figure by up to 20% between processes. Tried and not kept: the
-# last-finishing split combining in-kernel (a semaphore; 50 us: the combine becomes every
-# program's serial tail), 3-4 splits (two waves), the transposed kernel with its rows prefetched
-# into registers a block ahead, split-K of the transposed kernel. What bounds it: the gathers
-# alone (no dots) reach 39-40% of HBM and a copy of as many bytes 71% (bench/kernels.py prints
-# both), the transposed kernel's dots alone (probe kernel, one block reused) take 21 us, and
-# Triton's pipeliner does not overlap them: it issues the next block's gather (its address depends
-# on a loaded index) after this block's dots and waits for it
-# at the top of the next iteration.
-# Packed main-KV entries (ckv=) are decoded per element from their bytes. A variant decoding whole
-# rows with tl.interleave/reshape ran at 61 us against 187 us for this one, but gave wrong outputs
-# at BH 32 / BK 16 / 4 warps on the H200 (Triton 3.6), so it was dropped.
-# The training forward (many rows) uses the same kernel unsplit. If a config needs more shared
-# memory than the device has, the launcher falls back along _FALLBACKS.
-DECODE_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2, "SPLIT": "auto"}
+# Tile configs, the best of bench/kernels.py's sweep on one H200 (H 64, Dh 512, K 640, bf16; device
+# times of CUDA graph replays with L2 flushed). All keep whole q rows resident (BDK "full") and load
+# each gathered K = V row once per block, with the indices loaded a block ahead so that the
+# pipeliner streams the gathers num_stages - 1 blocks ahead of the dots.
+# Decode (B·M = 64 query rows): 128 programs without partial softmaxes, each (row, half of the
+# output columns) scoring all of a row's indices against whole rows and multiplying p by its half
+# of each row (the second half-row read hits L2): 42.6 us, against 44.6-45.0 us for splitting each
+# row's indices over 2 programs (fp32 partials, 33 MB more traffic, and a combine kernel) and
+# 55.4 us unsplit. SPLIT > 1 (DV = Dh) is kept for configs that want it: each chunk writes an
+# unnormalised fp32 partial that _sparse_attn_combine_kernel merges in split order.
+# What bounds it (bench/kernels.py's sparse_attn_decode_bounds line): the same 42 MB gathered by a
+# probe with no dots reaches 41% of nominal HBM, and equally for random, sorted and contiguous row
+# orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69%. At this
+# size (9 us of traffic at peak) filling and draining the memory pipeline costs as much as the
+# bytes, so 60% of HBM is out of reach for this kernel. Earlier figures (49-58 us) were timed as
+# launched from Python: a split call spends ~160 us on the host, more than the L2 flush's slack.
+# Packed main-KV entries (ckv=) are decoded per element from their bytes (PACKED_CONFIG). A variant
+# decoding whole rows with tl.interleave/reshape gave wrong outputs at BH 32 / BK 16 / 4 warps on
+# the H200 (Triton 3.6), so it was dropped.
+# The training forward (many rows) uses the unsplit kernel. If a config needs more shared memory
+# than the device has, the launcher falls back along _FALLBACKS.
+DECODE_CONFIG = {"BH": 64, "BK": 32, "BDK": "full", "DV": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 1}
+PACKED_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2, "SPLIT": "auto"}
 TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": 1}
 DEFAULT_CONFIG = TRAIN_CONFIG  # base that a partial `config` argument overrides
 _FALLBACKS = (
@@ -65,7 +68,7 @@ _FALLBACKS = (
     {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1, "SPLIT": 1},
     {"BH": 32, "BK": 32, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1, "SPLIT": 1},
 )
-_DECODE_MAX_ROWS = 512  # fewer query rows than this: too few programs without the index split
+_DECODE_MAX_ROWS = 512  # fewer query rows than this take the decode tiles
 
 
 def _pick_config(n_rows: int) -> dict:
@@ -128,9 +131,14 @@ def _sparse_attn_fwd_kernel(
     DT: tl.constexpr = tl.float32 if F32_DOT else q_ptr.dtype.element_ty  # interpreter: fp32 dots
     if BDK == DH:  # whole q rows stay resident; K = V rows are loaded once per block
         q_HD = tl.load(q_row + h_H[:, None] * DH + dk_C[None, :], mask=mask_H[:, None], other=0.0).to(DT)
+    # indices a block ahead: the gather's address is then loop-carried, not a load of the same
+    # iteration, so the pipeliner streams it num_stages - 1 blocks ahead of the dots
+    k_K = k_lo + tl.arange(0, BK)
+    next_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < k_hi, other=-1)
     for k0 in range(k_lo, k_hi, BK):
-        k_K = k0 + tl.arange(0, BK)
-        idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < k_hi, other=-1).to(tl.int64)
+        idx_K = next_K.to(tl.int64)
+        k_K = k0 + BK + tl.arange(0, BK)
+        next_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < k_hi, other=-1)
         valid_K = idx_K >= 0
         rows_K = kv_b + tl.where(valid_K, idx_K, 0) * DH
         if PACKED:
@@ -243,10 +251,19 @@ def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     entry = Dh // 2 + Dh // 16
     if ckv.dtype != torch.uint8 or ckv.dim() != 3 or ckv.shape[0] != B or ckv.shape[2] != entry:
         raise ValueError(f"ckv must be packed main-KV entries uint8 [B,G,{entry}], got {ckv.dtype} {list(ckv.shape)}")
-    cfg = {**DEFAULT_CONFIG, **_pick_config(B * M), **(config or {})}
+    cfg = {**DEFAULT_CONFIG, **(PACKED_CONFIG if B * M < _DECODE_MAX_ROWS else TRAIN_CONFIG), **(config or {})}
     if cfg["BDK"] != "full" or min(cfg["DV"], Dh) != Dh or triton.next_power_of_2(Dh) != Dh:
         raise ValueError(f"packed entries need whole rows resident (BDK 'full', DV = Dh, a power of 2); got {cfg}")
-    return _fwd(q, kv, attn_sink, idxs, scale, cfg, None, ckv.contiguous())
+    if config is not None:
+        return _fwd(q, kv, attn_sink, idxs, scale, cfg, None, ckv.contiguous())
+    # whole rows must stay resident, so a config too large for shared memory (fp32 at head dim
+    # 512) shrinks its index block and pipeline depth instead of taking _FALLBACKS' column splits
+    for fit in (cfg, {**cfg, "BK": 32, "num_stages": 1}, {**cfg, "BK": 16, "num_stages": 1}):
+        try:
+            return _fwd(q, kv, attn_sink, idxs, scale, fit, None, ckv.contiguous())
+        except OutOfResources:
+            continue
+    raise RuntimeError("no sparse_attn tile config with whole rows fits this device's shared memory")
 
 
 def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):

@@ -136,6 +136,8 @@ def test_fake_quant_straight_through(device):
         ((6, 32), "strided", torch.float16),
         ((131, 64), "groups", torch.bfloat16),
         ((5, 96), "groups", torch.float16),
+        ((131, 64), "groups2", torch.bfloat16),
+        ((5, 96), "groups2", torch.float16),
     ],
 )
 def test_quantize_pack_bit_exact(device, fmt, shape, path, dtype, monkeypatch):
@@ -143,8 +145,9 @@ def test_quantize_pack_bit_exact(device, fmt, shape, path, dtype, monkeypatch):
     # thread per group (16-bit inputs; also the unpack and fake-quant kernels of that layout)
     monkeypatch.setitem(kq.CONFIG, "strided", path == "strided")
     monkeypatch.setitem(kq.CONFIG, "pairs", path == "pairs")
-    monkeypatch.setitem(kq.CONFIG, "groups", path == "groups")
-    tile = {"rows": 64, "num_warps": 4}  # several programs, a partial last one
+    monkeypatch.setitem(kq.CONFIG, "groups", path in ("groups", "groups2"))
+    # several programs, a partial last one; groups2: E4M3/16 packs two groups per thread
+    tile = {"rows": 64, "num_warps": 4, "two": path == "groups2"}
     for kern in ("qdq_groups", "pack_groups", "unpack_groups"):
         monkeypatch.setitem(kq.CONFIG, kern, {f: tile for f in (kq.FMT_FP8, kq.FMT_FP4_E4M3, kq.FMT_MXFP4)})
     code, tri, ref, block = PACK[fmt]
@@ -254,15 +257,18 @@ def _tie_neighbours(fmt: str, dtype: torch.dtype, device, n_groups: int = 512, s
 
 
 @pytest.mark.parametrize("fmt", ["fp4_e4m3", "mxfp4"])
-@pytest.mark.parametrize("path", ["pairs", "groups"])
+@pytest.mark.parametrize("path", ["pairs", "groups", "groups2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp4_pack_paths_all_values_and_ties(device, fmt, path, dtype, monkeypatch):
-    """Both 16-bit FP4 pack kernels on every finite bit pattern of the dtype, on values at and one ulp
-    around every t·s (t a grid value or tie, s the group scale), and on the E4M3 scale-tie groups."""
+    """The 16-bit FP4 pack kernels on every finite bit pattern of the dtype, on values at and one ulp
+    around every t·s (t a grid value or tie, s the group scale), and on the E4M3 scale-tie groups
+    (groups2: two groups per thread, rows of two groups)."""
+    if path == "groups2" and fmt == "mxfp4":
+        pytest.skip("two groups per thread is an E4M3/16 layout")
     monkeypatch.setitem(kq.CONFIG, "pairs", path == "pairs")
-    monkeypatch.setitem(kq.CONFIG, "groups", path == "groups")
-    monkeypatch.setitem(kq.CONFIG, "pack_groups", {kq.FMT_FP4_E4M3: {"rows": 64, "num_warps": 4},
-                                                    kq.FMT_MXFP4: {"rows": 64, "num_warps": 4}})  # fmt: skip
+    monkeypatch.setitem(kq.CONFIG, "groups", path != "pairs")
+    tile = {"rows": 64, "num_warps": 4, "two": path == "groups2"}
+    monkeypatch.setitem(kq.CONFIG, "pack_groups", {kq.FMT_FP4_E4M3: tile, kq.FMT_MXFP4: tile})
     code, tri, ref, block = PACK[fmt]
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(dtype)
@@ -272,6 +278,8 @@ def test_fp4_pack_paths_all_values_and_ties(device, fmt, path, dtype, monkeypatc
     if fmt == "fp4_e4m3" and dtype == torch.bfloat16:
         inputs.append(_e4m3_scale_ties(device))
     for x in inputs:
+        if path == "groups2":  # an even number of groups: the last repeated if needed
+            x = torch.cat([x, x[-1:]])[: x.shape[0] + x.shape[0] % 2].reshape(-1, 2 * block)
         q, s = tri(x)
         rq, rs = ref(x)
         assert torch.equal(kq.scale_bytes_to_float(s, code), rs)

@@ -97,7 +97,7 @@ def test_split_decode_matches_reference(device, B, M, H, Dh, N, K, dtype, split)
     q, kv, sink, idxs = _inputs(B, M, H, Dh, N, K, dtype, device, seed=4)
     idxs[0, 0, : K // 2] = -1  # a chunk with no valid index beside valid ones in the same row
     scale = Dh**-0.5
-    cfg = {**ks.DECODE_CONFIG, "BK": 32, "SPLIT": split}
+    cfg = {**ks.PACKED_CONFIG, "BK": 32, "SPLIT": split}  # whole output rows per program (DV = Dh)
     o = ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg)
     _check(o, ks.sparse_attn_ref(q, kv, sink, idxs, scale))
     assert not o[-1, -1].any()  # the all-invalid row
@@ -134,14 +134,14 @@ def test_packed_main_kv_is_read_as_unpacked(device, B, M, H, Dh, T, G, K, dtype)
     idxs = idxs.to(device)
     dense = torch.cat([win, unpack_main_kv(ckv, dtype)], dim=1)
     ref = ks.sparse_attn_ref(q, dense, sink, idxs, Dh**-0.5)
-    # fp32 at head_dim 512 needs the smaller tiles to fit shared memory
+    # fp32 at head_dim 512 needs the smaller tiles to fit shared memory (cfg None: the launcher shrinks them)
     small = {"BK": 16, "num_stages": 1}
     for cfg in (None, {"SPLIT": 2, **small}, {**ks.TRAIN_CONFIG, "BK": 16}, {"BH": 16, **small}):
         o = ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, cfg, ckv=ckv)
         _check(o, ref)
         assert not o[-1, -1].any()
-        o_dense = ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, {**ks.DECODE_CONFIG, **(cfg or {})})
         if device == "cpu":  # same arithmetic; compiled, the dots' operands come by another path
-            assert torch.equal(o, o_dense)
+            dense_cfg = {**ks.PACKED_CONFIG, **(cfg or {})}
+            assert torch.equal(o, ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, dense_cfg))
     with pytest.raises(ValueError, match="packed main-KV entries"):
         ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, ckv=ckv[..., :-1])
