@@ -54,13 +54,18 @@ __all__ = [
 # size (9 us of traffic at peak) filling and draining the memory pipeline costs as much as the
 # bytes, so 60% of HBM is out of reach for this kernel. Earlier figures (49-58 us) were timed as
 # launched from Python: a split call spends ~160 us on the host, more than the L2 flush's slack.
-# Packed main-KV entries (ckv=) are decoded per element from their bytes (PACKED_CONFIG). A variant
-# decoding whole rows with tl.interleave/reshape gave wrong outputs at BH 32 / BK 16 / 4 warps on
-# the H200 (Triton 3.6), so it was dropped.
+# Packed main-KV entries (ckv=) are decoded per element from their bytes (PACKED_CONFIG; B 64,
+# 128 window + 512 packed picks: 152 us at 16 indices per block against 242 us at 64, and 1.16 ms
+# for unpacking the bank then the dense kernel). Decoded rows pass through registers, so their
+# loads are not cp.async-streamed like the dense gathers: the dense kernel on the same rows
+# unpacked takes 43 us. Tried and not kept: whole rows decoded with tl.interleave/reshape (wrong
+# outputs at BH 32 / BK 16 / 4 warps on the H200, Triton 3.6); rows kept as even and odd halves so
+# that every load is a contiguous cp.async run and nothing is interleaved (171-218 us: the
+# decoded halves are written to shared memory for the dots each block, and the registers spill).
 # The training forward (many rows) uses the unsplit kernel. If a config needs more shared memory
 # than the device has, the launcher falls back along _FALLBACKS.
 DECODE_CONFIG = {"BH": 64, "BK": 32, "BDK": "full", "DV": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 1}
-PACKED_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2, "SPLIT": "auto"}
+PACKED_CONFIG = {"BH": 64, "BK": 16, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": "auto"}
 TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": 1}
 DEFAULT_CONFIG = TRAIN_CONFIG  # base that a partial `config` argument overrides
 _FALLBACKS = (

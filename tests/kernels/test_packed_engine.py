@@ -1,8 +1,8 @@
 """The inference engine on a packed cache with impl="triton" (debug model, QAT on): each layer's
 attention reads the packed FP4 main-KV entries it picks as bytes (kernels/sparse_attn.py `ckv=`),
 so the bank is never unpacked whole, and generation equals the same model on a dense cache (token
-for token; log-prob for log-prob under the interpreter, where both paths do the same arithmetic),
-in the prompt's prefill (many queries) and in decode.
+for token, log-probs to rounding: the two caches take different tiles, the packed one splitting
+each row's indices), in the prompt's prefill (many queries) and in decode.
 Here rather than in tests/model because the Triton kernels run under this folder's interpreter."""
 
 import pytest
@@ -33,10 +33,8 @@ def test_packed_cache_is_read_as_bytes_and_generates_as_dense(device, monkeypatc
     assert any(c.compress_kv is not None and c.compress_kv.dtype == torch.uint8 for c in packed_cache.layers)
     for g, w in zip(packed, dense):
         assert g.token_ids == w.token_ids
-        if device == "cpu":
-            assert g.logprobs == w.logprobs
-        else:  # compiled, the dots' operands come by another path (registers vs async copies)
-            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=2e-2)
+        atol = 1e-4 if device == "cpu" else 2e-2  # fp32 under the interpreter; bf16-rounded p on the GPU
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=atol)
 
 
 def test_packed_cache_refuses_gradients(device, debug_model):
