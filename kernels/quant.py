@@ -17,7 +17,7 @@ bound by instruction issue as much as by HBM, so the E2M1 rounding is one float 
 the E4M3 scale of 16-bit inputs a multiply by fl(1/6) (`_group_scale`), and the unpack two exact
 multiplies per value (`_unpack_word`); each shortcut is checked exhaustively against the reference
 arithmetic. Two layouts: tile kernels (threads along a group) and per-group kernels (one thread per
-group, 16-bit tensors), chosen per kind and format in CONFIG.
+group, or two groups for the E4M3/16 pack; 16-bit tensors), chosen per kind and format in CONFIG.
 The element arithmetic (casts, roundings, codes, scales) is in kernels/quant_math.py.
 Block-scaled GEMMs are not here.
 

@@ -262,8 +262,9 @@ def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     if config is not None:
         return _fwd(q, kv, attn_sink, idxs, scale, cfg, None, ckv.contiguous())
     # whole rows must stay resident, so a config too large for shared memory (fp32 at head dim
-    # 512) shrinks its index block and pipeline depth instead of taking _FALLBACKS' column splits
-    for fit in (cfg, {**cfg, "BK": 32, "num_stages": 1}, {**cfg, "BK": 16, "num_stages": 1}):
+    # 512) shrinks its index block, pipeline depth and head block instead of taking _FALLBACKS'
+    # column splits
+    for fit in (cfg, {**cfg, "BK": 16, "num_stages": 1}, {**cfg, "BH": 16, "BK": 16, "num_stages": 1}):
         try:
             return _fwd(q, kv, attn_sink, idxs, scale, fit, None, ckv.contiguous())
         except OutOfResources:
