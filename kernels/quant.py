@@ -132,7 +132,7 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # only 75.7% (E4M3/16). Slower on the H200: a TMA tile (coalesced, read back from shared memory; E4M3/16
 # 56-63%, MXFP4 65-71%), grid-stride loops (68%; Triton-pipelined 44%), 2-4 threads per group (55-72%).
 # "two" (E4M3/16 pack): two adjacent groups per thread, MXFP4/32's 64-byte access pattern
-# (_fp4_pack_two_groups): 71.0-71.3% against 70.4-70.6% for one group, same process, device time.
+# (_fp4_pack_two_groups): 71.3% against 70.6% for one group in one process (device time).
 _PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4, "two": True}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
 _UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
 CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,

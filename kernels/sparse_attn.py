@@ -412,12 +412,20 @@ class _SparseAttn(torch.autograd.Function):
 
 
 def sparse_attn(
-    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    idxs: torch.Tensor,
+    scale: float,
+    ckv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for `sparse_attn_ref` (same signature and contract), Triton forward and backward.
     Without autograd (the inference engine) it calls the forward alone, which lets decode-sized
-    calls take the decode kernel (the autograd forward must also write the lse the backward reads)."""
+    calls take the decode kernel (the autograd forward must also write the lse the backward reads).
+    `ckv`: packed main-KV entries that indices >= kv.size(1) read (`sparse_attn_fwd`), forward only."""
     args = (q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(), idxs.contiguous(), float(scale))
+    if ckv is not None:
+        return sparse_attn_fwd(*args, ckv=ckv)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, attn_sink)):
         return _SparseAttn.apply(*args)
     return sparse_attn_fwd(*args)

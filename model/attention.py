@@ -443,11 +443,10 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, layer_id) if args.is_kv_source(layer_id) else None
         self.indexer = Indexer(args, layer_id) if args.is_index_source(layer_id) else None
         self.sparse_attn = sparse_attn_ref
-        self.sparse_attn_packed = None  # the forward reading packed main-KV entries (ckv=), Triton only
         if args.impl == "triton":
-            from kernels.sparse_attn import sparse_attn, sparse_attn_fwd  # chosen at construction (STYLE rule 13)
+            from kernels.sparse_attn import sparse_attn  # chosen at construction (STYLE rule 13)
 
-            self.sparse_attn, self.sparse_attn_packed = sparse_attn, sparse_attn_fwd
+            self.sparse_attn = sparse_attn
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttnContext, cache: LayerCache | None = None) -> torch.Tensor:
         """x = attn_norm output [B,S,D] -> [B,S,D]. Reads/extends `cache` when given."""
@@ -484,10 +483,7 @@ class Attention(nn.Module):
                 T = kv_BTD.size(1)
                 idxs_BSK = torch.cat([idxs_BSK, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
             if packed:  # rows past the window come from the packed bank (kernels/sparse_attn.py `ckv=`)
-                o_BSHD = self.sparse_attn_packed(
-                    q_BSHD.contiguous(), kv_BTD.contiguous(), self.attn_sink.float().contiguous(),
-                    idxs_BSK.contiguous(), self.softmax_scale, ckv=ckv_BGD,
-                )  # fmt: skip
+                o_BSHD = self.sparse_attn(q_BSHD, kv_BTD, self.attn_sink, idxs_BSK, self.softmax_scale, ckv=ckv_BGD)
             else:
                 if ckv_BGD is not None:
                     kv_all = torch.cat([kv_BTD, ckv_BGD], dim=1)
@@ -549,7 +545,7 @@ class Attention(nn.Module):
 
     def _reads_packed(self, cache: LayerCache | None) -> bool:
         """Whether this layer takes a packed cache's compressed KV as bytes (the Triton kernel)."""
-        return cache is not None and cache.packed and self.sparse_attn_packed is not None
+        return cache is not None and cache.packed and self.sparse_attn is not sparse_attn_ref
 
     def _compressed(self, x_BSD, qr_BSQ, freqs_BSr, ctx: AttnContext, cache: LayerCache | None):
         """Compressed KV [B,G,Dh] this layer attends and its top-k group indices [B,S,K]."""
