@@ -195,6 +195,19 @@ def test_scale_byte_layout(device):
     assert smx.tolist() == [[126]] and q.unique().tolist() == [0x77]
 
 
+@pytest.mark.parametrize("path", ["pairs", "groups"])
+def test_fp4_e4m3_pack_block32(device, path, monkeypatch):
+    """E4M3 scales over groups of 32 (not the default 16): the per-group kernel clamps all four 16-byte
+    chunks to 6·s; the rows reach subnormal scales, where x/s runs far past 6."""
+    monkeypatch.setitem(kq.CONFIG, "pairs", path == "pairs")
+    monkeypatch.setitem(kq.CONFIG, "groups", path == "groups")
+    x = _wide_range((67, 64), torch.bfloat16, device)
+    q, s = kq.quantize_fp4_e4m3_packed(x, block=32)
+    rq, rs = kq.quantize_fp4_e4m3_ref(x, 32)
+    assert torch.equal(kq.scale_bytes_to_float(s, kq.FMT_FP4_E4M3), rs)
+    assert torch.equal(q, kq.pack_e2m1_ref(rq))
+
+
 @pytest.mark.parametrize("fmt", ["fp4_e4m3", "mxfp4"])
 def test_quantize_pack_all_bf16_values(device, fmt):
     """Every finite bf16 bit pattern through the FP4 pack (the reciprocal + snap path of E4M3/16)."""
