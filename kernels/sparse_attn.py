@@ -50,9 +50,12 @@ __all__ = [
 # unnormalised fp32 partial that _sparse_attn_combine_kernel merges in split order.
 # What bounds it (bench/kernels.py's sparse_attn_decode_bounds line): the same 42 MB gathered by a
 # probe with no dots reaches 41% of nominal HBM, and equally for random, sorted and contiguous row
-# orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69%. At this
-# size (9 us of traffic at peak) filling and draining the memory pipeline costs as much as the
-# bytes, so 60% of HBM is out of reach for this kernel. Earlier figures (49-58 us) were timed as
+# orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69-71%. No
+# Triton gather of these rows tried reaches more: a sweep of 54 looped probe tiles (rows per load,
+# index splits, stages, warps) peaked at 41.7% and one-shot probes (one [8-128, 512] tile per
+# program, the most loads in flight) at 43.5% (session 11). At this size (9 us of traffic at peak)
+# filling and draining the memory pipeline costs as much as the bytes, so 60% of HBM is out of
+# reach for this kernel. Earlier figures (49-58 us) were timed as
 # launched from Python: a split call spends ~160 us on the host, more than the L2 flush's slack.
 # Packed main-KV entries (ckv=) are decoded per element from their bytes (PACKED_CONFIG; B 64,
 # 128 window + 512 packed picks: 152 us at 16 indices per block against 242 us at 64, and 1.16 ms
