@@ -371,9 +371,10 @@ def bench_attn(copy_bw: float, quick: bool) -> None:
 
 def _bench_attn_packed(copy_bw):
     """Decode against a packed cache (B 64, H 64, 128 window + 512 packed FP4 main-KV entries of a
-    2048-entry bank): the kernel decoding the entries it gathers, against unpacking the bank first
-    (LayerCache.bank's torch unpack, then the dense kernel: the path without `ckv`), and against the
-    dense kernel on a bank already held unpacked."""
+    2048-entry bank): the picked entries decoded once into a staging buffer and read by the dense
+    kernel (STAGE), or decoded per element inside the attention kernel, against unpacking the bank
+    first (LayerCache.bank's torch unpack, then the dense kernel: the path without `ckv`), and
+    against the dense kernel on a bank already held unpacked."""
     from kernels import sparse_attn as ks
     from model.packed_cache import pack_main_kv, unpack_main_kv
     from model.quant import fp4_e4m3_fake_quant
@@ -391,10 +392,10 @@ def _bench_attn_packed(copy_bw):
     on_dense = lambda kv: ks.sparse_attn_fwd(q, kv, sink, idxs, scale)
     unpack_then_dense = lambda: on_dense(torch.cat([win, unpack_main_kv(ckv, q.dtype)], 1))
     nbytes = B * (W * Dh * 2 + KC * ckv.size(-1)) + 2 * q.numel() * 2 + idxs.numel() * 4
-    base = ks.PACKED_CONFIG
+    staged, fused = ks.PACKED_CONFIG, ks.PACKED_FUSED_CONFIG
     best = None
-    for cfg in (base, {**base, "BK": 64, "num_stages": 2}, {**base, "BK": 32}, {**base, "BK": 16, "num_stages": 2},
-                {**base, "SPLIT": 1}):  # fmt: skip
+    for cfg in (staged, {**staged, "BK": 64, "num_stages": 1, "num_warps": 8}, {**staged, "BK": 16, "num_stages": 4},
+                fused, {**fused, "BK": 64, "num_stages": 2}, {**fused, "BK": 32}, {**fused, "SPLIT": 1}):  # fmt: skip
         packed = lambda cfg=cfg: ks.sparse_attn_fwd(q, win, sink, idxs, scale, cfg, ckv=ckv)
         try:  # the same tiles on the unpacked rows give the same bits
             same = torch.equal(packed(), ks.sparse_attn_fwd(q, dense, sink, idxs, scale, cfg))

@@ -5,8 +5,10 @@ denominator only, index -1 = invalid, a row with no valid index returns 0. The k
 official tilelang kernel: online softmax over blocks of 64 indices, running max initialised at
 -1e30, probabilities rounded to bf16 before P·V, fp32 denominator, output in q's dtype. Used for
 decode / speculative verification (M = 1..few queries per sequence) and the training forward;
-decode-sized calls split each row's indices over SPLIT programs and merge their partial softmaxes
-in a second kernel (flash-decoding), so that a batch of 64 rows still fills the GPU.
+decode-sized calls give each row two programs (one per half of the output columns) and may split
+its indices over SPLIT programs whose partial softmaxes a second kernel merges (flash-decoding).
+Packed FP4 main-KV entries are read from their bytes: decoded into a staging buffer of the picked
+rows for decode, or per element inside the kernel.
 The backward is a Triton kernel too (recompute p from the saved log-denominator, fp32 atomics into
 dkv since KV rows are shared across queries); it differentiates the fp32-probability attention of
 the torch reference `model.attention.sparse_attn_ref` (re-exported here).
@@ -34,6 +36,7 @@ __all__ = [
     "sparse_attn_ref",
     "DECODE_CONFIG",
     "PACKED_CONFIG",
+    "PACKED_FUSED_CONFIG",
     "TRAIN_CONFIG",
     "BWD_CONFIG",
 ]
@@ -57,18 +60,25 @@ __all__ = [
 # filling and draining the memory pipeline costs as much as the bytes, so 60% of HBM is out of
 # reach for this kernel. Earlier figures (49-58 us) were timed as
 # launched from Python: a split call spends ~160 us on the host, more than the L2 flush's slack.
-# Packed main-KV entries (ckv=) are decoded per element from their bytes (PACKED_CONFIG; B 64,
-# 128 window + 512 packed picks: 152 us at 16 indices per block against 242 us at 64, and 1.16 ms
-# for unpacking the bank then the dense kernel). Decoded rows pass through registers, so their
-# loads are not cp.async-streamed like the dense gathers: the dense kernel on the same rows
-# unpacked takes 43 us. Tried and not kept: whole rows decoded with tl.interleave/reshape (wrong
-# outputs at BH 32 / BK 16 / 4 warps on the H200, Triton 3.6); rows kept as even and odd halves so
-# that every load is a contiguous cp.async run and nothing is interleaved (171-218 us: the
+# Packed main-KV entries (ckv=), decode-sized 16-bit calls (PACKED_CONFIG, "STAGE"): the rows the
+# indices pick (window rows copied, packed entries decoded) are first written in slot order to a
+# [B, M·K, Dh] staging buffer (_stage_rows_kernel), then the dense kernel runs over it with each
+# slot's position as its index. B 64, 128 window + 512 packed picks: 61.3 us, against 150-152 us
+# for decoding per element inside the attention kernel (PACKED_FUSED_CONFIG: fp32 and
+# training-sized calls still take it, as they would need a staging buffer per query row), 1.16 ms for
+# unpacking the whole bank first, and 43 us for the dense kernel on rows held unpacked (session 11).
+# Rows decoded inside the kernel pass through registers, so their loads are not cp.async-streamed.
+# Tried and not kept: an attention kernel choosing each row from kv or the staging buffer (the
+# pointer select spilled 38 registers: 69 us for the attention alone); whole rows decoded with
+# tl.interleave/reshape (wrong outputs at BH 32 / BK 16 / 4 warps on the H200, Triton 3.6); rows
+# kept as even and odd halves so that every load is a contiguous cp.async run (171-218 us: the
 # decoded halves are written to shared memory for the dots each block, and the registers spill).
 # The training forward (many rows) uses the unsplit kernel. If a config needs more shared memory
 # than the device has, the launcher falls back along _FALLBACKS.
 DECODE_CONFIG = {"BH": 64, "BK": 32, "BDK": "full", "DV": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 1}
-PACKED_CONFIG = {"BH": 64, "BK": 16, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": "auto"}
+PACKED_CONFIG = {**DECODE_CONFIG, "STAGE": True}
+PACKED_FUSED_CONFIG = {"BH": 64, "BK": 16, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": "auto",
+                       "STAGE": False}  # fmt: skip
 TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": 1}
 DEFAULT_CONFIG = TRAIN_CONFIG  # base that a partial `config` argument overrides
 _FALLBACKS = (
@@ -77,6 +87,7 @@ _FALLBACKS = (
     {"BH": 32, "BK": 32, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1, "SPLIT": 1},
 )
 _DECODE_MAX_ROWS = 512  # fewer query rows than this take the decode tiles
+_STAGE_TILE = {"BK": 8, "num_warps": 2}  # _stage_rows_kernel: index slots per program
 
 
 def _pick_config(n_rows: int) -> dict:
@@ -100,6 +111,44 @@ def _main_kv_rows(ckv_K, mask_K, DH: tl.constexpr):
     v = (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
     sb = tl.load(ckv_K[:, None] + DH // 2 + (d_D // 16)[None, :], mask=mask_K[:, None], other=0)
     return v * _e4m3_of_byte(sb.to(tl.int32))
+
+
+@triton.jit
+def _stage_rows_kernel(
+    idx_ptr, kvw_ptr, ckv_ptr, words_ptr, slot_ptr, M, N, K, G, DH: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr
+):  # fmt: skip
+    """Program (row = b·M + m, block of BK index slots): the row each valid slot k names, written to
+    stage [B, M·K, DH] at m·K + k (16-bit elements moved as int32 words of an (even, odd) pair), and
+    that position (or -1) to slots [B·M, K]. A window index (idx < N) copies kv row idx; a main-KV
+    index decodes packed entry idx - N of batch b as `_main_kv_rows` does: each code byte's two
+    nibbles times its group's E4M3 scale, exact in bf16 (BF16) and fp16 (<= 6 significant bits,
+    |v| <= 2688)."""
+    row = tl.program_id(0).to(tl.int64)
+    k_K = tl.program_id(1) * BK + tl.arange(0, BK)
+    idx_K = tl.load(idx_ptr + row * K + k_K, mask=k_K < K, other=-1).to(tl.int64)
+    packed_K = idx_K >= N
+    window_K = (idx_K >= 0) & (idx_K < N)
+    b = row // M
+    ckv_K = ckv_ptr + (b * G + tl.where(packed_K, idx_K - N, 0)) * (DH // 2 + DH // 16)
+    # code byte j = 8a + b holds elements 2j (low nibble) and 2j + 1 of scale group a: the [BK, A, 8]
+    # shape lets one contiguous load of the A scale bytes broadcast over their groups
+    A: tl.constexpr = DH // 16
+    j_A8 = (tl.arange(0, A) * 8)[:, None] + tl.arange(0, 8)[None, :]
+    code = tl.load(ckv_K[:, None, None] + j_A8[None, :, :], mask=packed_K[:, None, None], other=0).to(tl.int32)
+    sb = tl.load(ckv_K[:, None] + DH // 2 + tl.arange(0, A)[None, :], mask=packed_K[:, None], other=0)
+    s = _e4m3_of_byte(sb.to(tl.int32))[:, :, None]
+    ST: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    lo = ((((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37) * s
+    hi = ((((code & 0x70) << 18) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37) * s
+    lo16 = lo.to(ST).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(ST).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    kv_K = kvw_ptr + (b * N + tl.where(window_K, idx_K, 0)) * (DH // 2)
+    words = tl.load(kv_K[:, None, None] + j_A8[None, :, :], mask=window_K[:, None, None], other=0)
+    words = tl.where(packed_K[:, None, None], lo16 | (hi16 << 16), words)
+    slot_K = (row % M) * K + k_K
+    out = words_ptr + (b * M * K + slot_K)[:, None, None] * (DH // 2) + j_A8[None, :, :]
+    tl.store(out, words, mask=(idx_K >= 0)[:, None, None])
+    tl.store(slot_ptr + row * K + k_K, tl.where(idx_K >= 0, slot_K, -1).to(tl.int32), mask=k_K < K)
 
 
 @triton.jit
@@ -237,7 +286,9 @@ def sparse_attn_fwd(
     idxs [B,M,K] int32/int64 (-1 invalid) -> o [B,M,H,Dh] in q's dtype. If `lse` (fp32 [B,M,H]) is
     given, the log of each softmax denominator (sink included) is written into it. With `ckv`, packed
     main-KV entries uint8 [B,G,Dh/2+Dh/16] (model/packed_cache.py), indices N..N+G-1 read its rows,
-    decoded in the kernel: the same output as passing cat([kv, unpack_main_kv(ckv, q.dtype)], 1)."""
+    decoded from their bytes (decode-sized 16-bit calls: into a staging buffer of the picked rows
+    first; otherwise inside the kernel): the same output as passing cat([kv, unpack_main_kv(ckv,
+    q.dtype)], 1) with the same tiles."""
     if ckv is not None:
         return _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config)
     if config is None:
@@ -259,20 +310,52 @@ def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     entry = Dh // 2 + Dh // 16
     if ckv.dtype != torch.uint8 or ckv.dim() != 3 or ckv.shape[0] != B or ckv.shape[2] != entry:
         raise ValueError(f"ckv must be packed main-KV entries uint8 [B,G,{entry}], got {ckv.dtype} {list(ckv.shape)}")
-    cfg = {**DEFAULT_CONFIG, **(PACKED_CONFIG if B * M < _DECODE_MAX_ROWS else TRAIN_CONFIG), **(config or {})}
-    if cfg["BDK"] != "full" or min(cfg["DV"], Dh) != Dh or triton.next_power_of_2(Dh) != Dh:
-        raise ValueError(f"packed entries need whole rows resident (BDK 'full', DV = Dh, a power of 2); got {cfg}")
+    if triton.next_power_of_2(Dh) != Dh:
+        raise ValueError(f"packed main-KV entries need a power-of-2 head_dim, got {Dh}")
+    ckv = ckv.contiguous()
+    decode = B * M < _DECODE_MAX_ROWS
+    cfg = {**DEFAULT_CONFIG, **(PACKED_CONFIG if decode else TRAIN_CONFIG), **(config or {})}
+    if cfg.get("STAGE") and q.dtype != torch.float32:
+        return _staged_fwd(q, kv, attn_sink, idxs, scale, ckv, cfg, config is None)
+    if decode:  # decoded in the kernel (STAGE False, or fp32, which has no 16-bit staging words)
+        cfg = {**DEFAULT_CONFIG, **PACKED_FUSED_CONFIG, **(config or {}), "STAGE": False}
+    if cfg["BDK"] != "full" or min(cfg["DV"], Dh) != Dh:
+        raise ValueError(f"packed entries decoded in the kernel need whole rows (BDK 'full', DV = Dh); got {cfg}")
     if config is not None:
-        return _fwd(q, kv, attn_sink, idxs, scale, cfg, None, ckv.contiguous())
+        return _fwd(q, kv, attn_sink, idxs, scale, cfg, None, ckv)
     # whole rows must stay resident, so a config too large for shared memory (fp32 at head dim
     # 512) shrinks its index block, pipeline depth and head block instead of taking _FALLBACKS'
     # column splits
     for fit in (cfg, {**cfg, "BK": 16, "num_stages": 1}, {**cfg, "BH": 16, "BK": 16, "num_stages": 1}):
         try:
-            return _fwd(q, kv, attn_sink, idxs, scale, fit, None, ckv.contiguous())
+            return _fwd(q, kv, attn_sink, idxs, scale, fit, None, ckv)
         except OutOfResources:
             continue
     raise RuntimeError("no sparse_attn tile config with whole rows fits this device's shared memory")
+
+
+def _staged_fwd(q, kv, attn_sink, idxs, scale, ckv, cfg, may_shrink):
+    """The rows a decode step picks (window rows copied, packed main-KV entries decoded), written once
+    to a [B, M·K, Dh] staging buffer in slot order, then the dense kernel over it with each slot's
+    own position as its index: no decode inside the attention and no second row source there (a
+    kernel selecting between kv and the buffer per slot spilled: 69 us against 42 us)."""
+    B, M, H, Dh = q.shape
+    N, K = kv.size(1), idxs.size(-1)
+    assert idxs.is_contiguous() and idxs.shape == (B, M, K) and kv.is_contiguous() and kv.dtype == q.dtype
+    stage = torch.empty(B, M * K, Dh, dtype=q.dtype, device=q.device)
+    slots = torch.empty(B, M, K, dtype=torch.int32, device=q.device)
+    if slots.numel():
+        bk, nw = _STAGE_TILE["BK"], _STAGE_TILE["num_warps"]
+        _stage_rows_kernel[(B * M, triton.cdiv(K, bk))](
+            idxs, kv.view(torch.int32), ckv, stage.view(torch.int32), slots, M, N, K, ckv.size(1),
+            DH=Dh, BK=bk, BF16=q.dtype == torch.bfloat16, **({} if interpreting() else {"num_warps": nw}),
+        )  # fmt: skip
+    for fit in [cfg, *(_FALLBACKS if may_shrink else ())]:
+        try:
+            return _fwd(q, stage, attn_sink, slots, scale, {**cfg, **fit}, None)
+        except OutOfResources:
+            continue
+    raise RuntimeError("no sparse_attn tile config fits this device")
 
 
 def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):

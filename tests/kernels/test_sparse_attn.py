@@ -136,13 +136,18 @@ def test_packed_main_kv_is_read_as_unpacked(device, B, M, H, Dh, T, G, K, dtype)
     dense = torch.cat([win, unpack_main_kv(ckv, dtype)], dim=1)
     ref = ks.sparse_attn_ref(q, dense, sink, idxs, Dh**-0.5)
     # fp32 at head_dim 512 needs the smaller tiles to fit shared memory (cfg None: the launcher shrinks them)
+    # decode: 16-bit rows are staged (decoded once into a buffer, then read by the dense kernel),
+    # fp32 and STAGE False decode in the kernel
     small = {"BK": 16, "num_stages": 1}
-    for cfg in (None, {"SPLIT": 2, **small}, {**ks.TRAIN_CONFIG, "BK": 16}, {"BH": 16, **small}):
+    fused = {**ks.PACKED_FUSED_CONFIG, "BK": 16}
+    for cfg in (None, {"SPLIT": 2, **small}, {**ks.TRAIN_CONFIG, "BK": 16}, {"BH": 16, **small}, fused):
         o = ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, cfg, ckv=ckv)
         _check(o, ref)
         assert not o[-1, -1].any()
-        if device == "cpu":  # same arithmetic; compiled, the dots' operands come by another path
-            dense_cfg = {**ks.PACKED_CONFIG, **(cfg or {})}
+        staged = dtype != torch.float32 and (cfg or ks.PACKED_CONFIG).get("STAGE", True)
+        if device == "cpu" or staged:  # fused, compiled: the dots' operands come by another path
+            base = ks.PACKED_CONFIG if staged else ks.PACKED_FUSED_CONFIG
+            dense_cfg = {**base, **(cfg or {})}
             assert torch.equal(o, ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, dense_cfg))
     with pytest.raises(ValueError, match="packed main-KV entries"):
         ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, ckv=ckv[..., :-1])
