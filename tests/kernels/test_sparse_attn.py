@@ -117,7 +117,7 @@ def test_no_grad_call_takes_the_forward_alone(device):
 @pytest.mark.parametrize(
     "B,M,H,Dh,T,G,K", [(2, 1, 20, 64, 30, 50, 70), (1, 3, 16, 128, 8, 40, 96), (2, 1, 4, 512, 16, 60, 80)]
 )
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_packed_main_kv_is_read_as_unpacked(device, B, M, H, Dh, T, G, K, dtype):
     """Indices >= T read packed FP4 main-KV entries (E2M1 + E4M3/16, the packed cache's bytes),
     decoded in the kernel: bit-identical to the dense kernel on the unpacked rows, close to the ref."""
