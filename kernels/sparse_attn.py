@@ -88,6 +88,7 @@ _FALLBACKS = (
 )
 _DECODE_MAX_ROWS = 512  # fewer query rows than this take the decode tiles
 _STAGE_TILE = {"BK": 8, "num_warps": 2}  # _stage_rows_kernel: index slots per program
+_STAGE_MAX_BYTES = 1 << 28  # a larger staging buffer (many query rows x indices) decodes in the kernel
 
 
 def _pick_config(n_rows: int) -> dict:
@@ -130,7 +131,7 @@ def _stage_rows_kernel(
     window_K = (idx_K >= 0) & (idx_K < N)
     b = row // M
     ckv_K = ckv_ptr + (b * G + tl.where(packed_K, idx_K - N, 0)) * (DH // 2 + DH // 16)
-    # code byte j = 8a + b holds elements 2j (low nibble) and 2j + 1 of scale group a: the [BK, A, 8]
+    # code byte j = 8g + i holds elements 2j (low nibble) and 2j + 1 of scale group g: the [BK, A, 8]
     # shape lets one contiguous load of the A scale bytes broadcast over their groups
     A: tl.constexpr = DH // 16
     j_A8 = (tl.arange(0, A) * 8)[:, None] + tl.arange(0, 8)[None, :]
@@ -315,9 +316,16 @@ def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     ckv = ckv.contiguous()
     decode = B * M < _DECODE_MAX_ROWS
     cfg = {**DEFAULT_CONFIG, **(PACKED_CONFIG if decode else TRAIN_CONFIG), **(config or {})}
-    if cfg.get("STAGE") and q.dtype != torch.float32:
-        return _staged_fwd(q, kv, attn_sink, idxs, scale, ckv, cfg, config is None)
-    if decode:  # decoded in the kernel (STAGE False, or fp32, which has no 16-bit staging words)
+    stage_bytes = B * M * idxs.size(-1) * Dh * q.element_size()
+    stageable = q.dtype != torch.float32 and kv.dtype == q.dtype and kv.is_contiguous()
+    if cfg.get("STAGE") and stageable and stage_bytes <= _STAGE_MAX_BYTES:
+        try:
+            kv_words = kv.view(torch.int32)
+        except RuntimeError:  # storage offset not pair-aligned: decode in the kernel below
+            kv_words = None
+        if kv_words is not None:
+            return _staged_fwd(q, kv_words, attn_sink, idxs, scale, ckv, cfg, config is None)
+    if decode:  # decoded in the kernel (STAGE False; fp32, which has no 16-bit words; a huge buffer)
         cfg = {**DEFAULT_CONFIG, **PACKED_FUSED_CONFIG, **(config or {}), "STAGE": False}
     if cfg["BDK"] != "full" or min(cfg["DV"], Dh) != Dh:
         raise ValueError(f"packed entries decoded in the kernel need whole rows (BDK 'full', DV = Dh); got {cfg}")
@@ -334,20 +342,20 @@ def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     raise RuntimeError("no sparse_attn tile config with whole rows fits this device's shared memory")
 
 
-def _staged_fwd(q, kv, attn_sink, idxs, scale, ckv, cfg, may_shrink):
+def _staged_fwd(q, kv_words, attn_sink, idxs, scale, ckv, cfg, may_shrink):
     """The rows a decode step picks (window rows copied, packed main-KV entries decoded), written once
     to a [B, M·K, Dh] staging buffer in slot order, then the dense kernel over it with each slot's
     own position as its index: no decode inside the attention and no second row source there (a
     kernel selecting between kv and the buffer per slot spilled: 69 us against 42 us)."""
     B, M, H, Dh = q.shape
-    N, K = kv.size(1), idxs.size(-1)
-    assert idxs.is_contiguous() and idxs.shape == (B, M, K) and kv.is_contiguous() and kv.dtype == q.dtype
+    N, K = kv_words.size(1), idxs.size(-1)
+    assert idxs.is_contiguous() and idxs.shape == (B, M, K) and kv_words.shape == (B, N, Dh // 2)
     stage = torch.empty(B, M * K, Dh, dtype=q.dtype, device=q.device)
     slots = torch.empty(B, M, K, dtype=torch.int32, device=q.device)
     if slots.numel():
         bk, nw = _STAGE_TILE["BK"], _STAGE_TILE["num_warps"]
         _stage_rows_kernel[(B * M, triton.cdiv(K, bk))](
-            idxs, kv.view(torch.int32), ckv, stage.view(torch.int32), slots, M, N, K, ckv.size(1),
+            idxs, kv_words, ckv, stage.view(torch.int32), slots, M, N, K, ckv.size(1),
             DH=Dh, BK=bk, BF16=q.dtype == torch.bfloat16, **({} if interpreting() else {"num_warps": nw}),
         )  # fmt: skip
     for fit in [cfg, *(_FALLBACKS if may_shrink else ())]:

@@ -151,3 +151,24 @@ def test_packed_main_kv_is_read_as_unpacked(device, B, M, H, Dh, T, G, K, dtype)
             assert torch.equal(o, ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, dense_cfg))
     with pytest.raises(ValueError, match="packed main-KV entries"):
         ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, ckv=ckv[..., :-1])
+
+
+def test_packed_decode_over_the_staging_budget_decodes_in_the_kernel(device, monkeypatch):
+    """A staging buffer larger than _STAGE_MAX_BYTES is not allocated: the call decodes inside the
+    attention kernel (the fused tiles' bits) and still matches the reference."""
+    from model.packed_cache import pack_main_kv, unpack_main_kv
+    from model.quant import fp4_e4m3_fake_quant
+
+    g = torch.Generator().manual_seed(11)
+    B, H, Dh, T, G, K = 2, 8, 64, 12, 40, 48
+    q = torch.randn(B, 1, H, Dh, generator=g).to(torch.bfloat16).to(device)
+    win = torch.randn(B, T, Dh, generator=g).to(torch.bfloat16).to(device)
+    ckv = pack_main_kv(fp4_e4m3_fake_quant(torch.randn(B, G, Dh, generator=g))).to(device)
+    sink = torch.randn(H, generator=g).to(device)
+    idxs = torch.randint(0, T + G, (B, 1, K), generator=g, dtype=torch.int32).to(device)
+    dense = torch.cat([win, unpack_main_kv(ckv, torch.bfloat16)], dim=1)
+    monkeypatch.setattr(ks, "_STAGE_MAX_BYTES", 0)
+    o = ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, ckv=ckv)
+    _check(o, ks.sparse_attn_ref(q, dense, sink, idxs, Dh**-0.5))
+    if device == "cpu":
+        assert torch.equal(o, ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, ks.PACKED_FUSED_CONFIG))
