@@ -347,7 +347,12 @@ def bench_attn(copy_bw: float, quick: bool) -> None:
                       {**split, "BK": 16, "num_stages": 6, "SPLIT": "auto"},
                       # whole rows for q·k, half of each row for p·v per program: 128 programs, no partials
                       {**split, "DV": 256, "SPLIT": 1}, {**split, "BK": 32, "DV": 256, "num_stages": 3, "SPLIT": 1},
-                      {**split, "BK": 32, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 1}]  # fmt: skip
+                      {**split, "BK": 32, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 1},
+                      # index halves x column halves: 256 programs, two per SM at 16-index blocks (112 KB each)
+                      {**split, "BK": 16, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 2},
+                      {**split, "BK": 16, "DV": 256, "num_stages": 2, "num_warps": 4, "SPLIT": 2},
+                      {**split, "BK": 32, "DV": 256, "num_stages": 2, "num_warps": 4, "SPLIT": 2},
+                      {**split, "BK": 16, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 4}]  # fmt: skip
     configs = [
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},

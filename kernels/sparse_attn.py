@@ -49,8 +49,10 @@ __all__ = [
 # output columns) scoring all of a row's indices against whole rows and multiplying p by its half
 # of each row (the second half-row read hits L2): 42.6 us, against 44.6-45.0 us for splitting each
 # row's indices over 2 programs (fp32 partials, 33 MB more traffic, and a combine kernel) and
-# 55.4 us unsplit. SPLIT > 1 (DV = Dh) is kept for configs that want it: each chunk writes an
-# unnormalised fp32 partial that _sparse_attn_combine_kernel merges in split order.
+# 55.4 us unsplit. SPLIT > 1 is kept for configs that want it (with any DV: each (chunk, column
+# block) program writes its columns of the chunk's unnormalised fp32 partial, which
+# _sparse_attn_combine_kernel merges in split order); SPLIT 2 with DV 256 and 16-index blocks lets
+# two programs share an SM (112 KB of shared memory each), not yet timed on the H200.
 # What bounds it (bench/kernels.py's sparse_attn_decode_bounds line): the same 42 MB gathered by a
 # probe with no dots reaches 41% of nominal HBM, and equally for random, sorted and contiguous row
 # orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69-71%. No
@@ -160,20 +162,23 @@ def _sparse_attn_fwd_kernel(
     F32_DOT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
     PACKED: tl.constexpr,
 ):  # fmt: skip
-    """Program (row = b·M + m, head block, output column block or, with SPLIT > 1, index chunk).
+    """Program (row = b·M + m, head block, index chunk · DH/DV + output column block).
     With STORE_LSE also writes lse [B·M, H] = m + log(Σ exp(l - m) + exp(sink - m)) for the
-    backward (inf for an empty row). With SPLIT > 1 (DV = DH) chunk s of a row's indices writes
-    its unnormalised acc to part [s, row, H, DH] fp32 and (m, l) to ml [s, row, H, 2] for
-    _sparse_attn_combine_kernel; an empty chunk writes m = -1e30, l = 0, acc = 0. With PACKED
+    backward (inf for an empty row). With SPLIT > 1 chunk s of a row's indices writes its
+    unnormalised acc (its DV columns) to part [s, row, H, DH] fp32 and (m, l) to ml [s, row, H, 2]
+    (every column block of a chunk writes the same m, l) for _sparse_attn_combine_kernel; an empty
+    chunk writes m = -1e30, l = 0, acc = 0. With PACKED
     (BDK = DV = DH) indices >= N address the packed main-KV entries ckv [B,G,DH/2+DH/16] (row
     idx - N), decoded in registers: kv [B,N,DH] then holds only the window rows."""
     row = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BH
-    dv0 = 0 if SPLIT > 1 else tl.program_id(2) * DV
+    N_DV: tl.constexpr = DH // DV
+    dv0 = (tl.program_id(2) % N_DV) * DV
+    split_id = tl.program_id(2) // N_DV
     k_lo, k_hi = 0, K
     if SPLIT > 1:
         chunk = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK  # whole blocks per chunk
-        k_lo = tl.program_id(2) * chunk
+        k_lo = split_id * chunk
         k_hi = tl.minimum(K, k_lo + chunk)
     b = row // M
     h_H = h0 + tl.arange(0, BH)
@@ -230,7 +235,7 @@ def _sparse_attn_fwd_kernel(
         acc_HV = tl.dot(p_HK, v_KV, acc_HV, input_precision=DOT_PREC)
         m_H = m_new_H
     if SPLIT > 1:
-        part_row = tl.program_id(2) * tl.num_programs(0) + row
+        part_row = split_id * tl.num_programs(0) + row
         tl.store(part_ptr + (part_row * H + h_H[:, None]) * DH + dv_V[None, :], acc_HV, mask=mask_H[:, None])
         tl.store(ml_ptr + (part_row * H + h_H) * 2, m_H, mask=mask_H)
         tl.store(ml_ptr + (part_row * H + h_H) * 2 + 1, l_H, mask=mask_H)
@@ -388,16 +393,16 @@ def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):
     n_hb = triton.cdiv(H, bh)
     split = cfg["SPLIT"]
     if split == "auto":  # enough chunks per row for one program per SM, whole blocks each
-        split = max(1, min(sm_count(q.device) // (B * M * n_hb), triton.cdiv(K, cfg["BK"]), 8))
-    if lse is not None or dv != Dh:
-        split = 1  # the autograd forward writes lse; the DV split already multiplies the programs
+        split = max(1, min(sm_count(q.device) // (B * M * n_hb * (Dh // dv)), triton.cdiv(K, cfg["BK"]), 8))
+    if lse is not None:
+        split = 1  # the autograd forward writes lse
     opts = launch_opts(cfg)
     part = ml = o
     if split > 1:
         part = torch.empty(split, B * M, H, Dh, dtype=torch.float32, device=q.device)
         ml = torch.empty(split, B * M, H, 2, dtype=torch.float32, device=q.device)
     G = 0 if ckv is None else ckv.size(1)
-    _sparse_attn_fwd_kernel[(B * M, n_hb, split if split > 1 else Dh // dv)](
+    _sparse_attn_fwd_kernel[(B * M, n_hb, split * (Dh // dv))](
         q, kv, attn_sink, idxs, o, lse if lse is not None else o, part, ml, ckv if ckv is not None else o,
         M, H, N, K, G, float(scale),
         DH=Dh, BH=bh, BK=cfg["BK"], BDK=bdk, DV=dv,

@@ -91,14 +91,17 @@ def test_backward_matches_reference(device, B, M, H, Dh, N, K):
 @pytest.mark.parametrize("B,M,H,Dh,N,K", [(2, 1, 20, 64, 30, 130), (1, 2, 64, 128, 80, 96), (3, 1, 4, 512, 60, 70)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("split", [2, 3, "auto"])
-def test_split_decode_matches_reference(device, B, M, H, Dh, N, K, dtype, split):
+@pytest.mark.parametrize("dv", [512, 32])
+def test_split_decode_matches_reference(device, B, M, H, Dh, N, K, dtype, split, dv):
     """The decode path: each row's indices split over programs (some chunks empty or all -1), the
-    partial softmaxes merged by the combine kernel; repeated calls give identical bits."""
+    partial softmaxes merged by the combine kernel, with whole output rows per program or a block of
+    DV columns each (then every column block of a chunk writes its part); repeated calls give
+    identical bits."""
     q, kv, sink, idxs = _inputs(B, M, H, Dh, N, K, dtype, device, seed=4)
     idxs[0, 0, : K // 2] = -1  # a chunk with no valid index beside valid ones in the same row
     scale = Dh**-0.5
-    # whole output rows per program (DV = Dh), as a split needs
-    cfg = {"BH": 64, "BK": 32, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 2, "SPLIT": split}
+    tiles = {"BK": 32, "num_warps": 8, "num_stages": 2} if dv == 512 else {"BK": 16, "num_warps": 4, "num_stages": 3}
+    cfg = {"BH": 64, "BDK": "full", "DV": dv, "SPLIT": split, **tiles}
     o = ks.sparse_attn_fwd(q, kv, sink, idxs, scale, cfg)
     _check(o, ks.sparse_attn_ref(q, kv, sink, idxs, scale))
     assert not o[-1, -1].any()  # the all-invalid row
