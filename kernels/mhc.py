@@ -455,12 +455,16 @@ def _with_dot_fallback(launch) -> None:
 
 
 def _check_stream(res: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
-    assert res.dim() == 3 and res.size(1) == HC, "stream must be [T, 4, D] (hc_mult = 4)"
-    assert res.is_contiguous()
+    if res.dim() != 3 or res.size(1) != HC:
+        raise ValueError(f"the residual stream must be [T, {HC}, D] (hc_mult = {HC}), got {list(res.shape)}")
+    if not res.is_contiguous():
+        raise ValueError("the residual stream must be contiguous: pass res.contiguous()")
     T, _, D = res.shape
-    assert fn.shape == (N_MIX, HC * D) and fn.dtype == torch.float32 and fn.is_contiguous()
-    assert scale.shape == (3,) and base.shape == (N_MIX,)
-    assert scale.dtype == base.dtype == torch.float32
+    if fn.shape != (N_MIX, HC * D) or fn.dtype != torch.float32 or not fn.is_contiguous():
+        raise ValueError(f"hc fn must be contiguous fp32 [{N_MIX}, {HC * D}], got {fn.dtype} {list(fn.shape)}")
+    if scale.shape != (3,) or base.shape != (N_MIX,) or scale.dtype != torch.float32 or base.dtype != torch.float32:
+        raise ValueError(f"hc scale / base must be fp32 [3] / [{N_MIX}], got {scale.dtype} {list(scale.shape)} / "
+                         f"{base.dtype} {list(base.shape)}")  # fmt: skip
     return T, D
 
 
@@ -637,7 +641,9 @@ def hc_split_sinkhorn(
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton `hc_split_sinkhorn`: mixes [..., 24] -> pre [..., 4], post [..., 4], comb [..., 4, 4] fp32."""
-    assert hc_mult == HC and mixes.size(-1) == N_MIX
+    if hc_mult != HC or mixes.size(-1) != N_MIX:
+        raise ValueError(f"the kernels are built for hc_mult {HC} ({N_MIX} mixes), got hc_mult {hc_mult} and "
+                         f"mixes {list(mixes.shape)}: use impl=torch for other widths")  # fmt: skip
     lead = mixes.shape[:-1]
     pre, post, comb = _HcSplitSinkhorn.apply(_f32(mixes.reshape(-1, N_MIX)), _f32(scale), _f32(base), eps, iters)
     return pre.view(*lead, HC), post.view(*lead, HC), comb.view(*lead, HC, HC)
@@ -664,6 +670,9 @@ def hc_post_mixes_pre(
       x_in  = hc_pre(x_new, pre_carried)                       [..., D]    f.dtype
       pre, post_n, comb_n = hc_split_sinkhorn(hc_mixes(x_new)) [..., 4], [..., 4], [..., 4, 4] fp32
     Differentiable in every tensor argument."""
+    if residual.dim() < 2 or residual.shape[-2:] != (HC, f.size(-1)) or residual.shape[:-2] != f.shape[:-1]:
+        raise ValueError(f"residual must be f's shape with {HC} streams before the last dim ([..., {HC}, D] "
+                         f"for f [..., D]), got f {list(f.shape)} and residual {list(residual.shape)}")  # fmt: skip
     lead, D = f.shape[:-1], f.size(-1)
     outs = _HcPostMixesPre.apply(
         f.reshape(-1, D).contiguous(), residual.reshape(-1, HC, D).contiguous(),
@@ -690,6 +699,8 @@ def hc_mixes_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Boundary without a preceding hc_post (the first block): x [..., 4, D] ->
     (hc_pre(x, pre_carried) [..., D], pre, post, comb of hc_split_sinkhorn(hc_mixes(x)))."""
+    if x.dim() < 2 or x.size(-2) != HC:
+        raise ValueError(f"x must be the residual streams [..., {HC}, D], got {list(x.shape)}")
     lead, D = x.shape[:-2], x.size(-1)
     xin, pre_n, post_n, comb_n = _HcMixesPre.apply(
         x.reshape(-1, HC, D).contiguous(), _f32(pre_carried.reshape(-1, HC)),

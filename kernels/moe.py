@@ -276,10 +276,11 @@ def _weight_offsets(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     key = (base.device, ptrs)
     offs = _offsets_cache.get(key)
     if offs is None:
-        for w in ws:
-            assert w.is_contiguous() and w.dtype == base.dtype and w.shape == base.shape
+        if any(not w.is_contiguous() or w.dtype != base.dtype or w.shape != base.shape for w in ws):
+            raise ValueError("expert weights of one kind must be contiguous, of one dtype and one shape")
         d = [p - ptrs[0] for p in ptrs]
-        assert all(x % 16 == 0 for x in d) and 16 % base.element_size() == 0, "expert weights must be 16-byte aligned"
+        if any(x % 16 for x in d) or 16 % base.element_size():
+            raise ValueError("expert weights must be 16-byte aligned relative to each other (torch allocations are)")
         if len(_offsets_cache) > 256:
             _offsets_cache.clear()
         offs = _offsets_cache[key] = torch.tensor([x // 16 for x in d], dtype=torch.int64).to(base.device)
@@ -433,11 +434,17 @@ def moe_experts(
     expert (model.moe.Expert's w1, w3, w2) -> y [T, K, D] in x's dtype, slot (t, k) = expert
     topk_idx[t, k]'s output for token t times its weight. Gradients for x, weights and all weights."""
     E = len(w1s)
-    assert len(w3s) == E and len(w2s) == E
-    assert x_TD.ndim == 2 and topk_idx_TK.shape == weights_TK.shape and topk_idx_TK.size(0) == x_TD.size(0)
+    if len(w3s) != E or len(w2s) != E or E == 0:
+        raise ValueError(f"need one w1, w3 and w2 per expert, got {len(w1s)}, {len(w3s)} and {len(w2s)}")
+    if x_TD.ndim != 2 or topk_idx_TK.shape != weights_TK.shape or topk_idx_TK.size(0) != x_TD.size(0):
+        raise ValueError(f"need x [T, D] and weights / topk_idx [T, K]; got x {list(x_TD.shape)}, weights "
+                         f"{list(weights_TK.shape)}, topk_idx {list(topk_idx_TK.shape)}")  # fmt: skip
     Fi, D = w1s[0].shape
-    assert x_TD.size(1) == D and w2s[0].shape == (D, Fi) and w3s[0].shape == (Fi, D)
-    assert all(w.dtype == x_TD.dtype for w in (*w1s, *w3s, *w2s)), "experts and input share one dtype"
+    if x_TD.size(1) != D or w2s[0].shape != (D, Fi) or w3s[0].shape != (Fi, D):
+        raise ValueError(f"need w1 / w3 [F, D] and w2 [D, F] for x [T, {x_TD.size(1)}]; got w1 {list(w1s[0].shape)}, "
+                         f"w3 {list(w3s[0].shape)}, w2 {list(w2s[0].shape)}")  # fmt: skip
+    if any(w.dtype != x_TD.dtype for w in (*w1s, *w3s, *w2s)):
+        raise ValueError(f"the experts' weights must share x's dtype {x_TD.dtype}")
     ws = [w.contiguous() for w in (*w1s, *w3s, *w2s)]
     return _MoEExperts.apply(x_TD.contiguous(), weights_TK, topk_idx_TK, E, float(swiglu_limit), *ws)
 

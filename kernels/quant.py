@@ -577,10 +577,14 @@ def _dequant_kernel(q_ptr, s_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.
 
 
 def _check(x: torch.Tensor, block: int) -> int:
-    assert x.is_contiguous(), "quant kernels need a contiguous input"
-    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
-    assert block in (16, 32), "quant blocks are 16 (FP4-E4M3) or 32 (FP8, MXFP4)"
-    assert x.size(-1) % block == 0, f"last dim {x.size(-1)} is not a multiple of the block {block}"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quant kernels take bf16 / fp16 / fp32 input, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"quant kernels need a contiguous input (strides {x.stride()}): pass x.contiguous()")
+    if block not in (16, 32):
+        raise ValueError(f"quant blocks are 16 (FP4-E4M3) or 32 (FP8, MXFP4), got {block}")
+    if x.dim() == 0 or x.size(-1) % block:
+        raise ValueError(f"the last dim of {list(x.shape)} must be a multiple of the block {block}")
     return x.numel() // block
 
 
@@ -673,13 +677,15 @@ def quantize_packed(x: torch.Tensor, fmt: int, block: int | None = None) -> tupl
 
 def dequantize_packed(q: torch.Tensor, s: torch.Tensor, fmt: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Inverse of `quantize_packed`: (codes, scale bytes) -> values [..., N] in `dtype`."""
+    if not (q.is_contiguous() and s.is_contiguous()):
+        raise ValueError("codes and scale bytes must be contiguous: pass .contiguous() copies")
     q = q.view(torch.uint8)
     s = s.view(torch.uint8)
-    assert q.is_contiguous() and s.is_contiguous()
     n = q.size(-1) * (1 if fmt == FMT_FP8 else 2)
-    assert n % s.size(-1) == 0
+    if q.shape[:-1] != s.shape[:-1] or s.size(-1) == 0 or n % s.size(-1) or n // s.size(-1) not in (16, 32):
+        raise ValueError(f"codes {list(q.shape)} and scales {list(s.shape)} do not describe blocks of 16 or 32 "
+                         f"(quantize_packed's layout: codes [..., N or N/2], scales [..., N/block])")  # fmt: skip
     block = n // s.size(-1)
-    assert block in (16, 32)
     y = torch.empty(*q.shape[:-1], n, dtype=dtype, device=q.device)
     n_groups = s.numel()
     tile = _groups_tile("unpack", fmt, y) if fmt != FMT_FP8 else None
@@ -761,5 +767,7 @@ def dequantize_fp4_packed(
     q: torch.Tensor, s: torch.Tensor, scale_fmt: str, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """scale_fmt: "e4m3" (compressed KV, block 16) or "ue8m0" (MXFP4, block 32)."""
+    if scale_fmt not in ("e4m3", "ue8m0"):
+        raise ValueError(f"scale_fmt must be 'e4m3' (FP4-E4M3 scales) or 'ue8m0' (MXFP4), got {scale_fmt!r}")
     fmt = {"e4m3": FMT_FP4_E4M3, "ue8m0": FMT_MXFP4}[scale_fmt]
     return dequantize_packed(q, s, fmt, dtype)

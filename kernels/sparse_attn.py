@@ -312,6 +312,7 @@ def sparse_attn_fwd(
 
 
 def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
+    _check_inputs(q, kv, attn_sink, idxs)
     B, M, H, Dh = q.shape
     entry = Dh // 2 + Dh // 16
     if ckv.dtype != torch.uint8 or ckv.dim() != 3 or ckv.shape[0] != B or ckv.shape[2] != entry:
@@ -371,14 +372,27 @@ def _staged_fwd(q, kv_words, attn_sink, idxs, scale, ckv, cfg, may_shrink):
     raise RuntimeError("no sparse_attn tile config fits this device")
 
 
+def _check_inputs(q, kv, attn_sink, idxs) -> None:
+    if q.dim() != 4 or kv.dim() != 3 or idxs.dim() != 3:
+        raise ValueError(f"need q [B,M,H,Dh], kv [B,N,Dh], idxs [B,M,K]; got {list(q.shape)}, {list(kv.shape)}, "
+                         f"{list(idxs.shape)}")  # fmt: skip
+    B, M, H, Dh = q.shape
+    if kv.shape[0] != B or kv.shape[2] != Dh or idxs.shape[:2] != (B, M) or attn_sink.shape != (H,):
+        raise ValueError(f"need q [B,M,H,Dh], kv [B,N,Dh], idxs [B,M,K], sink [H]; got q {list(q.shape)}, "
+                         f"kv {list(kv.shape)}, idxs {list(idxs.shape)}, sink {list(attn_sink.shape)}")  # fmt: skip
+    if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q and kv must share a bf16 / fp16 / fp32 dtype, got {q.dtype} and {kv.dtype}")
+    if idxs.is_floating_point():
+        raise ValueError(f"idxs must be integer row indices (-1 = none), got {idxs.dtype}")
+    if not (q.is_contiguous() and kv.is_contiguous() and idxs.is_contiguous() and attn_sink.is_contiguous()):
+        raise ValueError("q, kv, idxs and attn_sink must be contiguous: pass .contiguous() copies")
+
+
 def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):
+    _check_inputs(q, kv, attn_sink, idxs)
     B, M, H, Dh = q.shape
     N = kv.size(1)
     K = idxs.size(-1)
-    assert q.is_contiguous() and kv.is_contiguous() and idxs.is_contiguous() and attn_sink.is_contiguous()
-    assert kv.shape == (B, N, Dh) and idxs.shape == (B, M, K) and attn_sink.shape == (H,)
-    assert q.dtype == kv.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32), q.dtype
-    assert not idxs.is_floating_point()
     bh = min(cfg["BH"], max(16, triton.next_power_of_2(H)))  # heads padded to >= 16 for tl.dot
     bdk = Dh if cfg["BDK"] == "full" else min(int(cfg["BDK"]), Dh)
     dv = min(cfg["DV"], Dh)

@@ -74,6 +74,18 @@ def test_post_mixes_pre(device, dtype, T, D):
         _close(a, b, rel)
 
 
+def test_launchers_reject_bad_inputs(device):
+    f, res, post, comb, pc, fn, scale, base = _boundary_inputs(6, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="4 streams"):
+        km.hc_post_mixes_pre(f, res[:, :3], post, comb, pc, fn, scale, base, **EPS)
+    with pytest.raises(ValueError, match="hc fn"):
+        km.hc_post_mixes_pre(f, res, post, comb, pc, fn[:, :64], scale, base, **EPS)
+    with pytest.raises(ValueError, match="residual streams"):
+        km.hc_mixes_pre(res[:, :2], pc, fn, scale, base, **EPS)
+    with pytest.raises(ValueError, match="hc_mult 4"):
+        km.hc_split_sinkhorn(torch.zeros(3, 24, device=device), scale, base, hc_mult=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixes_pre_first_boundary(device, dtype):
     f, res, post, comb, pc, fn, scale, base = _boundary_inputs(21, 64, dtype, device)

@@ -67,6 +67,18 @@ def test_moe_matches_reference(device, T, D, Fi, E, K, limit, skew, dtype, monke
         assert _rel(a, b) < 2 * tol, (i, _rel(a, b))
 
 
+def test_launcher_rejects_bad_inputs(device):
+    x, wgt, idx, w1s, w3s, w2s, _ = _inputs(8, 32, 16, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="one w1, w3 and w2 per expert"):
+        km.moe_experts(x, wgt, idx, w1s, w3s[:3], w2s)
+    with pytest.raises(ValueError, match=r"w2 \[D, F\]"):
+        km.moe_experts(x, wgt, idx, w1s, w3s, [w.t() for w in w2s])
+    with pytest.raises(ValueError, match="share x's dtype"):
+        km.moe_experts(x, wgt, idx, w1s, w3s, [w.double() for w in w2s])
+    with pytest.raises(ValueError, match=r"weights / topk_idx \[T, K\]"):
+        km.moe_experts(x, wgt[:, :1], idx, w1s, w3s, w2s)
+
+
 def test_moe_rows_are_independent_of_the_batch(device):
     """A token's output does not depend on which other tokens share its experts (decode = prefill)."""
     x, wgt, idx, w1s, w3s, w2s, _ = _inputs(21, 32, 32, 3, 2, torch.float32, device, seed=3)

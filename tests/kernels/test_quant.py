@@ -195,6 +195,23 @@ def test_scale_byte_layout(device):
     assert smx.tolist() == [[126]] and q.unique().tolist() == [0x77]
 
 
+def test_launchers_reject_bad_inputs(device):
+    x = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        kq.quantize_fp4_e4m3_packed(x.t())
+    with pytest.raises(ValueError, match="blocks are 16"):
+        kq.quantize_fp8_packed(x, block=8)
+    with pytest.raises(ValueError, match="bf16 / fp16 / fp32"):
+        kq.fp8_fake_quant(x.to(torch.int32))
+    with pytest.raises(ValueError, match="multiple of the block 32"):
+        kq.quantize_mxfp4_packed(x[:, :48].contiguous())
+    q, s = kq.quantize_fp4_e4m3_packed(x)
+    with pytest.raises(ValueError, match="blocks of 16 or 32"):
+        kq.dequantize_fp4_packed(q, s[:, :3].contiguous(), "e4m3")
+    with pytest.raises(ValueError, match="scale_fmt"):
+        kq.dequantize_fp4_packed(q, s, "e8m0")
+
+
 @pytest.mark.parametrize("path", ["pairs", "groups"])
 def test_fp4_e4m3_pack_block32(device, path, monkeypatch):
     """E4M3 scales over groups of 32 (not the default 16): the per-group kernel clamps all four 16-byte

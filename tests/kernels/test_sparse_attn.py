@@ -156,6 +156,20 @@ def test_packed_main_kv_is_read_as_unpacked(device, B, M, H, Dh, T, G, K, dtype)
         ks.sparse_attn_fwd(q, win, sink, idxs, Dh**-0.5, ckv=ckv[..., :-1])
 
 
+def test_launchers_reject_bad_inputs(device):
+    q, kv, sink, idxs = _inputs(2, 1, 4, 64, 20, 30, torch.bfloat16, device, seed=6)
+    with pytest.raises(ValueError, match="integer row indices"):
+        ks.sparse_attn_fwd(q, kv, sink, idxs.float(), 0.1)
+    with pytest.raises(ValueError, match="share a bf16"):
+        ks.sparse_attn_fwd(q, kv.float(), sink, idxs, 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        ks.sparse_attn_fwd(q.repeat(1, 1, 1, 2)[..., :64], kv, sink, idxs, 0.1)
+    with pytest.raises(ValueError, match=r"kv \[B,N,Dh\]"):
+        ks.sparse_attn_fwd(q, kv[..., :32].contiguous(), sink, idxs, 0.1)
+    with pytest.raises(ValueError, match=r"need q \[B,M,H,Dh\]"):
+        ks.sparse_attn_fwd(q[0], kv, sink, idxs, 0.1)
+
+
 def test_packed_decode_over_the_staging_budget_decodes_in_the_kernel(device, monkeypatch):
     """A staging buffer larger than _STAGE_MAX_BYTES is not allocated: the call decodes inside the
     attention kernel (the fused tiles' bits) and still matches the reference."""
