@@ -251,7 +251,8 @@ def _tile(cfg: dict, n: int, name: str) -> int:
     t = cfg[name]
     while n % t:
         t //= 2
-    assert t >= 16, f"dimension {n} needs a multiple of 16"
+    if t < 16:
+        raise ValueError(f"the grouped GEMM tiles need dimensions that are multiples of 16, got {n}: use impl=torch")
     return t
 
 

@@ -77,6 +77,9 @@ def test_launcher_rejects_bad_inputs(device):
         km.moe_experts(x, wgt, idx, w1s, w3s, [w.double() for w in w2s])
     with pytest.raises(ValueError, match=r"weights / topk_idx \[T, K\]"):
         km.moe_experts(x, wgt[:, :1], idx, w1s, w3s, w2s)
+    x, wgt, idx, w1s, w3s, w2s, _ = _inputs(8, 24, 16, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="multiples of 16, got 24"):
+        km.moe_experts(x, wgt, idx, w1s, w3s, w2s)
 
 
 def test_moe_rows_are_independent_of_the_batch(device):
