@@ -135,12 +135,13 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # (_fp4_pack_two_groups): 71.3% against 70.6% for one group in one process (device time).
 # The E4M3/16 pack is bound by instruction issue (sm_90 SASS, two groups: 13.2 per element, of which
 # 9 are the per-element minimum: unpack, multiply, abs + truncate, exponent, add-max, add, code,
-# two funnel shifts): dropping its per-element clamp alone took it from 70.6% to 73.8%. The clamp now
-# runs on the packed words against 6s (`_e4m3_clamp_words`, half an instruction per element) and the
-# multiplier is rcp.approx (no subnormal guard): 73.2-73.4% for both layouts (session 11, same
-# process as 70.5-71.0% for the previous code). Tried, no faster on Triton 3.6: the signs gathered by
-# byte permutes (PRMT) instead of one funnel shift each, L2 prefetch-size hints on inline-asm loads
-# (no arithmetic: 75% with or without), two threads per group (68%).
+# two funnel shifts; Triton 3.9's ptxas): dropping its per-element clamp alone (inexact, timing only)
+# took it from 70.4-71.1% to 73.6-73.9% in one process. The clamp now runs on the packed words against
+# 6s (`_e4m3_clamp_words`, half an instruction per element) and the multiplier is rcp.approx (no
+# subnormal guard): 72.5-73.0% against 70.5-71.1% for the previous code in one process, 73.1-73.4%
+# for both layouts in bench/kernels.py's sweep (session 11). Tried, no faster on Triton 3.6: the
+# signs gathered by byte permutes (PRMT) instead of one funnel shift each, L2 prefetch-size hints on
+# inline-asm loads (no arithmetic: 74-75% with or without), two threads per group (68%).
 _PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4, "two": True}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
 _UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
 CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,
@@ -254,12 +255,25 @@ def _halves_of_words(w, SRC: tl.constexpr):
 
 
 @triton.jit
-def _maxabs_words(a, b, SRC: tl.constexpr):
-    """max(|a|, |b|) per 16-bit half of int32 words of bf16 (SRC 0) / fp16 (1) pairs, one packed
-    instruction for two elements (PTX max.xorsign.abs); the result's sign bits are junk (the xor of the
-    inputs'). Exact: a max picks one of its inputs. Under the interpreter, the same on the magnitude bits."""
+def _xorsign_abs_words(a, b, MIN: tl.constexpr, SRC: tl.constexpr):
+    """min (MIN) or max of |a| and |b| per 16-bit half of int32 words of bf16 (SRC 0) / fp16 (1) pairs,
+    signed with the xor of the inputs' signs: PTX {min,max}.xorsign.abs, one instruction for two
+    elements. Exact (a min or max picks one of its inputs). The amax takes the max (its sign bits are
+    junk, dropped by its caller); the E4M3/16 pack's clamp the min against a bound >= 0, which keeps
+    a's sign. Under the interpreter, the same on the bits (no NaN inputs there)."""
     if INTERPRET:
-        r = tl.maximum(a & 0x7FFF, b & 0x7FFF) | (tl.maximum((a >> 16) & 0x7FFF, (b >> 16) & 0x7FFF) << 16)
+        la, lb, ha, hb = a & 0x7FFF, b & 0x7FFF, (a >> 16) & 0x7FFF, (b >> 16) & 0x7FFF
+        if MIN:
+            mag = tl.minimum(la, lb) | (tl.minimum(ha, hb) << 16)
+        else:
+            mag = tl.maximum(la, lb) | (tl.maximum(ha, hb) << 16)
+        r = mag | ((a ^ b) & -2147450880)  # the sign bits 0x80008000
+    elif MIN and SRC == 0:
+        r = tl.inline_asm_elementwise("min.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    elif MIN:
+        r = tl.inline_asm_elementwise("min.xorsign.abs.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                      is_pure=True, pack=1)  # fmt: skip
     elif SRC == 0:
         r = tl.inline_asm_elementwise("max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
                                       is_pure=True, pack=1)  # fmt: skip
@@ -270,27 +284,9 @@ def _maxabs_words(a, b, SRC: tl.constexpr):
 
 
 @triton.jit
-def _minabs_words(a, t, SRC: tl.constexpr):
-    """sign(a)·min(|a|, t) per 16-bit half of int32 words of bf16 (SRC 0) / fp16 (1) pairs, t >= 0
-    (PTX min.xorsign.abs: the sign is the xor of the inputs', so a's). Exact (a min picks an input);
-    under the interpreter, the same on the magnitude bits (no NaN inputs there)."""
-    if INTERPRET:
-        lo = tl.minimum(a & 0x7FFF, t & 0x7FFF) | (a & 0x8000)
-        hi = tl.minimum((a >> 16) & 0x7FFF, (t >> 16) & 0x7FFF) | ((a >> 16) & 0x8000)
-        r = lo | (hi << 16)
-    elif SRC == 0:
-        r = tl.inline_asm_elementwise("min.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, t], dtype=tl.int32,
-                                      is_pure=True, pack=1)  # fmt: skip
-    else:
-        r = tl.inline_asm_elementwise("min.xorsign.abs.f16x2 $0, $1, $2;", "=r,r,r", [a, t], dtype=tl.int32,
-                                      is_pure=True, pack=1)  # fmt: skip
-    return r
-
-
-@triton.jit
 def _e4m3_clamp_words(s_R, SRC: tl.constexpr):
     """6·s (exact in 16 bits: s has 4 significant bits) in both halves of an int32 [R, 1]: the E4M3/16
-    pack clamps |x| to it on the packed words (`_minabs_words`, two elements per instruction), where
+    pack clamps |x| to it on the packed words (`_xorsign_abs_words` min, two elements per instruction), where
     x/s > 6 saturates to code 7 anyway, so `_e2m1_lowbits` needs no per-element clamp."""
     if SRC == 0:
         t = (6.0 * s_R).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -302,15 +298,16 @@ def _e4m3_clamp_words(s_R, SRC: tl.constexpr):
 @triton.jit
 def _group_amax_words(w0, w1, w2, w3, BLOCK: tl.constexpr, SRC: tl.constexpr):
     """amax (fp32 [R]) of groups held as [R, 4] word chunks w0..w3 (w2, w3 only for BLOCK 32), one row per
-    thread, by `_maxabs_words`: 5 (BLOCK 16) / 7 (32) packed max-abs and one fp32 max per group instead of
+    thread, by `_xorsign_abs_words` max: 5 (BLOCK 16) / 7 (32) packed max-abs and one fp32 max per group instead of
     15 / 31 fp32 maxes on the unpacked halves."""
-    m = _maxabs_words(w0, w1, SRC)
+    m = _xorsign_abs_words(w0, w1, False, SRC)
     if BLOCK == 32:
-        m = _maxabs_words(m, _maxabs_words(w2, w3, SRC), SRC)
+        m = _xorsign_abs_words(m, _xorsign_abs_words(w2, w3, False, SRC), False, SRC)
     m02, m13 = tl.split(tl.reshape(m, (m.shape[0], 2, 2)))
     m0, m2 = tl.split(m02)
     m1, m3 = tl.split(m13)
-    e, o = _halves_of_words(_maxabs_words(_maxabs_words(m0, m1, SRC), _maxabs_words(m2, m3, SRC), SRC), SRC)
+    m = _xorsign_abs_words(_xorsign_abs_words(m0, m1, False, SRC), _xorsign_abs_words(m2, m3, False, SRC), False, SRC)
+    e, o = _halves_of_words(m, SRC)
     return tl.maximum(tl.abs(e), tl.abs(o))
 
 
@@ -382,10 +379,11 @@ def _e4m3_multiplier(s_R):
 
 
 @triton.jit
-def _fp4_pack_two_groups(xw_ptr, q_ptr, s_ptr, n_pairs, FMT: tl.constexpr, ROWS: tl.constexpr, SRC: tl.constexpr):
+def _fp4_pack_two_groups(xw_ptr, q_ptr, s_ptr, n_pairs, ROWS: tl.constexpr, SRC: tl.constexpr):
     """E4M3/16 with TWO ADJACENT GROUPS PER THREAD: 64 bytes loaded as 4 chunks of 16 (MXFP4/32's
     access pattern, half as many threads each striding twice as far), two amaxes and scales, the two
     scale bytes stored as one int16 (s viewed as int16) and the 16 code bytes as two int64."""
+    FMT: tl.constexpr = 1  # E4M3 scales only: the clamp words and the multiplier below are E4M3's
     g_R = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mask_R = g_R < n_pairs
     offs_R4 = g_R[:, None] * 16 + tl.arange(0, 4)[None, :]
@@ -398,8 +396,8 @@ def _fp4_pack_two_groups(xw_ptr, q_ptr, s_ptr, n_pairs, FMT: tl.constexpr, ROWS:
     scales = _scale_byte(sa_R, FMT) | (_scale_byte(sb_R, FMT) << 8)
     tl.store(s_ptr + g_R, scales.to(tl.int16), mask=mask_R)
     ta, tb = _e4m3_clamp_words(sa_R, SRC), _e4m3_clamp_words(sb_R, SRC)
-    w0, w1 = _minabs_words(w0, ta, SRC), _minabs_words(w1, ta, SRC)
-    w2, w3 = _minabs_words(w2, tb, SRC), _minabs_words(w3, tb, SRC)
+    w0, w1 = _xorsign_abs_words(w0, ta, True, SRC), _xorsign_abs_words(w1, ta, True, SRC)
+    w2, w3 = _xorsign_abs_words(w2, tb, True, SRC), _xorsign_abs_words(w3, tb, True, SRC)
     ra_R, rb_R = _e4m3_multiplier(sa_R), _e4m3_multiplier(sb_R)
     lo = _pack_words(w0, ra_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
     tl.store(q_ptr + 2 * g_R, lo | (_pack_words(w1, ra_R, FMT, SRC).to(tl.int64) << 32), mask=mask_R)
@@ -444,9 +442,9 @@ def _fp4_pack_groups_kernel(
     tl.store(s_ptr + g_R, _scale_byte(s_R, FMT).to(tl.uint8), mask=mask_R)
     if FMT == 1:
         t = _e4m3_clamp_words(s_R, SRC)
-        w0, w1 = _minabs_words(w0, t, SRC), _minabs_words(w1, t, SRC)
+        w0, w1 = _xorsign_abs_words(w0, t, True, SRC), _xorsign_abs_words(w1, t, True, SRC)
         if BLOCK == 32:
-            w2, w3 = _minabs_words(w2, t, SRC), _minabs_words(w3, t, SRC)
+            w2, w3 = _xorsign_abs_words(w2, t, True, SRC), _xorsign_abs_words(w3, t, True, SRC)
         r_R = _e4m3_multiplier(s_R)
     else:
         r_R = _pow2_inv(s_R)
@@ -651,8 +649,8 @@ def quantize_packed(x: torch.Tensor, fmt: int, block: int | None = None) -> tupl
             amax2 = CONFIG["pack_amax2"][fmt]
             if tile.get("two") and fmt == FMT_FP4_E4M3 and block == 16 and s.size(-1) % 2 == 0:
                 grid = (triton.cdiv(n_groups // 2, rows),)
-                _fp4_pack_two_groups[grid](xw, q.view(torch.int64), s.view(torch.int16), n_groups // 2, FMT=fmt,
-                                           ROWS=rows, SRC=src, **opts)  # fmt: skip
+                _fp4_pack_two_groups[grid](xw, q.view(torch.int64), s.view(torch.int16), n_groups // 2, ROWS=rows,
+                                           SRC=src, **opts)  # fmt: skip
                 return q, s
             _fp4_pack_groups_kernel[grid](xw, q.view(torch.int64), s, n_groups, FMT=fmt, BLOCK=block, ROWS=rows,
                                           SRC=src, AMAX2=amax2, **opts)  # fmt: skip
