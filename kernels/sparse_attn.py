@@ -295,6 +295,7 @@ def sparse_attn_fwd(
     decoded from their bytes (decode-sized 16-bit calls: into a staging buffer of the picked rows
     first; otherwise inside the kernel): the same output as passing cat([kv, unpack_main_kv(ckv,
     q.dtype)], 1) with the same tiles."""
+    _check_inputs(q, kv, attn_sink, idxs)  # once per call: the launchers below trust their inputs
     if ckv is not None:
         return _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config)
     if config is None:
@@ -302,7 +303,7 @@ def sparse_attn_fwd(
         key = (q.shape[-1], q.shape[-2], q.dtype, q.device, id(first))
         for cfg in [_fitted[key]] if key in _fitted else [first, *_FALLBACKS]:
             try:
-                o = sparse_attn_fwd(q, kv, attn_sink, idxs, scale, cfg, lse)
+                o = _fwd(q, kv, attn_sink, idxs, scale, {**DEFAULT_CONFIG, **cfg}, lse)
             except OutOfResources:
                 continue
             _fitted[key] = cfg
@@ -312,7 +313,6 @@ def sparse_attn_fwd(
 
 
 def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
-    _check_inputs(q, kv, attn_sink, idxs)
     B, M, H, Dh = q.shape
     entry = Dh // 2 + Dh // 16
     if ckv.dtype != torch.uint8 or ckv.dim() != 3 or ckv.shape[0] != B or ckv.shape[2] != entry:
@@ -323,8 +323,7 @@ def _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config):
     decode = B * M < _DECODE_MAX_ROWS
     cfg = {**DEFAULT_CONFIG, **(PACKED_CONFIG if decode else TRAIN_CONFIG), **(config or {})}
     stage_bytes = B * M * idxs.size(-1) * Dh * q.element_size()
-    stageable = q.dtype != torch.float32 and kv.dtype == q.dtype and kv.is_contiguous()
-    if cfg.get("STAGE") and stageable and stage_bytes <= _STAGE_MAX_BYTES:
+    if cfg.get("STAGE") and q.dtype != torch.float32 and stage_bytes <= _STAGE_MAX_BYTES:
         try:
             kv_words = kv.view(torch.int32)
         except RuntimeError:  # storage offset not pair-aligned: decode in the kernel below
@@ -355,7 +354,6 @@ def _staged_fwd(q, kv_words, attn_sink, idxs, scale, ckv, cfg, may_shrink):
     kernel selecting between kv and the buffer per slot spilled: 69 us against 42 us)."""
     B, M, H, Dh = q.shape
     N, K = kv_words.size(1), idxs.size(-1)
-    assert idxs.is_contiguous() and idxs.shape == (B, M, K) and kv_words.shape == (B, N, Dh // 2)
     stage = torch.empty(B, M * K, Dh, dtype=q.dtype, device=q.device)
     slots = torch.empty(B, M, K, dtype=torch.int32, device=q.device)
     if slots.numel():
@@ -389,7 +387,6 @@ def _check_inputs(q, kv, attn_sink, idxs) -> None:
 
 
 def _fwd(q, kv, attn_sink, idxs, scale, cfg, lse, ckv=None):
-    _check_inputs(q, kv, attn_sink, idxs)
     B, M, H, Dh = q.shape
     N = kv.size(1)
     K = idxs.size(-1)

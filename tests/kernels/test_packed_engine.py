@@ -1,8 +1,8 @@
 """The inference engine on a packed cache with impl="triton" (debug model, QAT on): each layer's
 attention reads the packed FP4 main-KV entries it picks as bytes (kernels/sparse_attn.py `ckv=`),
 so the bank is never unpacked whole, and generation equals the same model on a dense cache (token
-for token, log-probs to rounding: the two caches take different tiles, the packed one splitting
-each row's indices), in the prompt's prefill (many queries) and in decode.
+for token, log-probs to rounding: the packed cache reads its rows by another route, staged or
+decoded inside the kernel, with tiles of its own), in the prompt's prefill (many queries) and in decode.
 Here rather than in tests/model because the Triton kernels run under this folder's interpreter."""
 
 import pytest
