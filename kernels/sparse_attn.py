@@ -51,8 +51,13 @@ __all__ = [
 # row's indices over 2 programs (fp32 partials, 33 MB more traffic, and a combine kernel) and
 # 55.4 us unsplit. SPLIT > 1 is kept for configs that want it (with any DV: each (chunk, column
 # block) program writes its columns of the chunk's unnormalised fp32 partial, which
-# _sparse_attn_combine_kernel merges in split order); SPLIT 2 with DV 256 and 16-index blocks lets
-# two programs share an SM (112 KB of shared memory each), not yet timed on the H200.
+# _sparse_attn_combine_kernel merges in split order). Index halves x column halves (SPLIT 2, DV 256,
+# 16-index blocks: 256 programs, two per SM at 112 KB of shared memory each) took 57-70 us, SPLIT 4
+# 80 us; merging the partials in the kernel (the last of a row's programs to finish, counted by an
+# atomic, reads the others' from L2) was exact but slower than the combine kernel: 48.8 against
+# 46.2 us (session 12). In steady state (bench/device_timing.py's stream_ms, back to back over four
+# KV sets) the shipped config takes 37.3 us, 28% of HBM. Its neighbours are slower: 2 stages
+# 53.5 us, 16-index blocks 54-55 us, 8 warps 60 us.
 # What bounds it (bench/kernels.py's sparse_attn_decode_bounds line): the same 42 MB gathered by a
 # probe with no dots reaches 41% of nominal HBM, and equally for random, sorted and contiguous row
 # orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69-71%. No

@@ -67,6 +67,23 @@ def test_moe_matches_reference(device, T, D, Fi, E, K, limit, skew, dtype, monke
         assert _rel(a, b) < 2 * tol, (i, _rel(a, b))
 
 
+@pytest.mark.parametrize("E", [5, 255, 256, 300])  # uint8 keys; uint8 keys whose bounds need widening; int16
+def test_schedule_groups_assignments_by_expert(E):
+    g = torch.Generator().manual_seed(E)
+    T, K = 97, 3
+    idx = torch.randn(T, E, generator=g).topk(K, dim=-1).indices
+    idx[idx == E // 2] = 0  # an expert with no assignments
+    sched = km._Schedule(idx, E)
+    expert_N = idx.flatten()
+    counts = torch.bincount(expert_N, minlength=E)
+    assert torch.equal(sched.counts_E, counts) and sched.counts_E.dtype == torch.int64
+    assert sched.offs.dtype == torch.int32 and torch.equal(sched.offs[1:].long(), counts.cumsum(0))
+    assert sched.offs[0] == 0
+    # stable: within an expert, assignments keep their (token, k) order
+    assert torch.equal(sched.slot_N.long(), torch.argsort(expert_N, stable=True))
+    assert torch.equal(sched.tok_N.long(), sched.slot_N.long() // K)
+
+
 def test_launcher_rejects_bad_inputs(device):
     x, wgt, idx, w1s, w3s, w2s, _ = _inputs(8, 32, 16, 4, 2, torch.float32, device)
     with pytest.raises(ValueError, match="one w1, w3 and w2 per expert"):
