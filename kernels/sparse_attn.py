@@ -57,7 +57,10 @@ __all__ = [
 # atomic, reads the others' from L2) was exact but slower than the combine kernel: 48.8 against
 # 46.2 us (session 12). In steady state (bench/device_timing.py's stream_ms, back to back over four
 # KV sets) the shipped config takes 37.3 us, 28% of HBM. Its neighbours are slower: 2 stages
-# 53.5 us, 16-index blocks 54-55 us, 8 warps 60 us.
+# 53.5 us, 16-index blocks 54-55 us, 8 warps 60 us. Also tried (session 12, steady state): both dots
+# transposed, s [BK, heads] = kv · q^T and acc [Dh, heads] += kv^T · p, so that 32-head programs
+# keep 64-row MMA tiles and the two head halves of a row share no work (a third fewer FLOPs than
+# recomputing q·k per column half): 38.6 us at 64-index blocks (registers spill), 42.1 us at 32.
 # What bounds it (bench/kernels.py's sparse_attn_decode_bounds line): the same 42 MB gathered by a
 # probe with no dots reaches 41% of nominal HBM, and equally for random, sorted and contiguous row
 # orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69-71%. No
