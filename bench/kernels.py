@@ -10,8 +10,8 @@ each call is captured in a CUDA graph and its replays timed with L2 flushed befo
 (`--eager-launch`: as launched from Python, which for decode-sized calls measures the host); the
 quantize/pack and decode targets are also timed in steady state, back to back over rotating buffers
 (`quantize_steady_state`, `sparse_attn_decode_steady_state` lines), which a single call after a
-zero-fill flush under-reports at these sizes (see device_timing.py). Needs CUDA; it is not a test and checks nothing
-beyond a quick max-error line per kernel (the parity tests are tests/kernels/).
+zero-fill flush under-reports at these sizes (see device_timing.py). Needs CUDA; it is not a test
+and checks nothing beyond a quick max-error line per kernel (the parity tests are tests/kernels/).
 """
 
 from __future__ import annotations
