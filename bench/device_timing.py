@@ -7,8 +7,9 @@ microseconds (measured on the H200, session 12):
   inputs are not in L2. It ranks tile configs well, but it charges the op for two things that are
   not its traffic: the flush leaves L2 full of dirty lines, whose write-back (up to the 50 MB of
   L2) then happens while the op runs, and every replay pays ~4 us of launch latency between the
-  events (an empty kernel times 3.9-4.1 us). The E4M3/16 pack of a 64 MiB tensor reads 63% of HBM
-  this way, 70% after a read-only flush (clean lines), where a device copy of the same bytes gets 70%.
+  events (a one-element kernel times 4.2-4.6 us this way, 1.1 us back to back). The E4M3/16 pack of
+  a 64 MiB tensor reads 63% of HBM this way (an eager device copy of the same bytes 70%), 70% after
+  a read-only flush (clean lines; the copy 79%).
 - `stream_ms` times what an op costs inside a stream of work: one graph of back-to-back calls
   cycling over independent buffer sets whose footprint far exceeds L2, so every call reads cold
   inputs and pays for the write-back of as many dirty lines as it leaves (its predecessor's), and
