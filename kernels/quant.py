@@ -144,10 +144,13 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # inline-asm loads (no arithmetic: 74-75% with or without), two threads per group (68%); a persistent
 # loop fed by pipelined TMA tiles (host descriptors, 1-8 programs per SM, 2-4 stages: 45-66%).
 # The figures above are one call per CUDA-graph replay after a zero-fill L2 flush, which charges
-# the op for the flush's dirty lines and ~4 us of launch latency (bench/device_timing.py). In steady
-# state (back to back over rotating inputs, session 12): E4M3/16 pack 78-80% of HBM at 64 MiB of
-# bf16, 79% at 128 MiB, 84% at 512 MiB; MXFP4 84-86 / 81 / 85%; FP8 83 / 87 / 91%.
-_PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4, "two": True}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
+# the op for the flush's dirty lines and ~4 us of launch latency (bench/device_timing.py), and
+# there the E4M3/16 layouts tie (73%). In steady state (back to back over rotating inputs and
+# outputs, session 12) one group per thread at 64 groups / 2 warps is the best E4M3/16 tile: 75.0%
+# of HBM at 64 MiB of bf16 and 78.8% at 128 MiB, against 72.0% / 78.6% for two groups per thread
+# at 128 / 4 warps (the previous default); a copy kernel of the same bytes 77% / 81%. MXFP4
+# 75.8% / 81.0%, FP8 82.8% / 87.1%; at 512 MiB E4M3/16 84%, MXFP4 85%, FP8 91%.
+_PACK_GROUPS = {FMT_FP4_E4M3: {"rows": 64, "num_warps": 2}, FMT_MXFP4: {"rows": 64, "num_warps": 2}}
 _UNPACK_GROUPS = {FMT_FP4_E4M3: {"rows": 128, "num_warps": 4}, FMT_MXFP4: None}
 CONFIG = {"rows": 128, "rows_dequant": 64, "num_warps": 4, "strided": None, "pairs": True, "rows_pairs": 256,
           "groups": True, "qdq_groups": {FMT_FP8: None, FMT_FP4_E4M3: None, FMT_MXFP4: None},
