@@ -300,9 +300,9 @@ class _Schedule:
         self.T, self.K, self.E, self.N = T, K, n_experts, T * K
         self.slot_N = order_N.to(torch.int32)  # position in the (token, k) flattening
         self.tok_N = (order_N // K).to(torch.int32)
-        # expert e's rows start where the sorted keys reach e: one searchsorted, where counting by
-        # scatter_add (N atomics into E bins) and a cumsum took 61 us against 47 us for the whole
-        # schedule (H200, 32768 assignments, 32 experts; bincount would read max() back to the host)
+        # expert e's rows start where the sorted keys reach e: one searchsorted. The whole schedule
+        # then takes 47 us, against 61 us when a scatter_add (N atomics into E bins) and a cumsum
+        # counted them (H200, 32768 assignments, 32 experts; bincount reads max() back to the host)
         if n_experts > torch.iinfo(key_dtype).max:  # the bounds run to n_experts: widen the keys
             keys_N = keys_N.long()
         bounds = torch.arange(n_experts + 1, dtype=keys_N.dtype, device=expert_N.device)
