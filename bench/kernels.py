@@ -55,6 +55,14 @@ def _pack_ref(quantize, fmt):
     return fn
 
 
+def _pack_bytes(n: int, fmt: int, block: int) -> int:
+    """Bytes a quantise+pack of n 16-bit values moves: the input, the codes (1 byte per value for FP8,
+    a nibble for FP4) and one scale byte per block."""
+    from kernels import quant as kq
+
+    return 2 * n + (n if fmt == kq.FMT_FP8 else n // 2) + n // block
+
+
 def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
     from kernels import quant as kq
 
@@ -96,7 +104,7 @@ def _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw):
         fmt,
     )
     qr, sr = q_ref(x)
-    nbytes = 2 * n + (n if fmt == kq.FMT_FP8 else n // 2) + n // block
+    nbytes = _pack_bytes(n, fmt, block)
     pack_sweep = sweep_of(lambda: q_tri(x), pack_cfgs)
     compare(f"quantize_pack_{name}", None, lambda: q_ref(x), nbytes, None, copy_bw, pack_sweep,
              check=lambda o: torch.equal(o[0], qr) and torch.equal(o[1], sr), rounds=2, shape=shape)  # fmt: skip
@@ -131,6 +139,8 @@ def bench_quant(copy_bw: float, quick: bool) -> None:
             ("mxfp4", kq.mxfp4_fake_quant, kq.mxfp4_fake_quant_ref, kq.FMT_MXFP4, 32),
         ]:
             _bench_quant_format(x, name, tri, ref, fmt, block, copy_bw)
+        del x
+        torch.cuda.empty_cache()
     _quant_steady_state(quick)
 
 
@@ -144,12 +154,12 @@ def _quant_steady_state(quick: bool) -> None:
     for mib in (64, 128) if quick else (64, 128, 512):
         n = mib * 2**20 // 2
         xs = [torch.randn(n // 4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        e4m3_bytes = 2 * n + n // 2 + n // 16
+        e4m3_bytes = _pack_bytes(n, kq.FMT_FP4_E4M3, 16)
         rec = {"kernel": "quantize_steady_state", "input_MiB": mib, "buffer_sets": len(xs)}
         for name, fn, nbytes in (
-            ("pack_fp8", kq.quantize_fp8_packed, 2 * n + n + n // 32),
+            ("pack_fp8", kq.quantize_fp8_packed, _pack_bytes(n, kq.FMT_FP8, 32)),
             ("pack_fp4_e4m3", kq.quantize_fp4_e4m3_packed, e4m3_bytes),
-            ("pack_mxfp4", kq.quantize_mxfp4_packed, 2 * n + n // 2 + n // 32),
+            ("pack_mxfp4", kq.quantize_mxfp4_packed, _pack_bytes(n, kq.FMT_MXFP4, 32)),
             ("fake_quant_fp8", kq.fp8_fake_quant, 4 * n),
             ("fake_quant_fp4_e4m3", kq.fp4_e4m3_fake_quant, 4 * n),
             ("fake_quant_mxfp4", kq.mxfp4_fake_quant, 4 * n),
@@ -164,7 +174,6 @@ def _quant_steady_state(quick: bool) -> None:
         rec["copy_kernel_same_bytes_as_pack_fp4_e4m3"] = rates(stream_ms(copies), e4m3_bytes)
         emit(rec)
         del srcs, dsts
-        torch.cuda.empty_cache()
         torch.cuda.empty_cache()
 
 
@@ -359,17 +368,23 @@ def _bench_attn_bwd(M, copy_bw):
              compiled_fn=lambda: step(compiled_ref), check=rel, B=B, M=M, H=H, Dh=Dh, K=K, N=N)  # fmt: skip
 
 
+def _attn_inputs(B, M, H, Dh, N, K, seed):
+    """bf16 q [B,M,H,Dh], kv [B,N,Dh], sink [H] and indices [B,M,K]: distinct rows per query (as
+    top-k + window give), the last 7 slots -1."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, M, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(B, N, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g)
+    idxs = torch.argsort(torch.rand(B, M, N, device="cuda", generator=g), dim=-1)[..., :K].to(torch.int32)
+    idxs[..., -7:] = -1
+    return q, kv, sink, idxs
+
+
 def _bench_attn_case(name, B, M, N, configs, copy_bw):
     from kernels import sparse_attn as ks
 
     H, Dh, K = 64, 512, 512 + 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, M, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(B, N, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
-    sink = torch.randn(H, device="cuda", generator=g)
-    # distinct rows per query (as top-k + window give), a few -1 slots
-    idxs = torch.argsort(torch.rand(B, M, N, device="cuda", generator=g), dim=-1)[..., :K].to(torch.int32)
-    idxs[..., -7:] = -1
+    q, kv, sink, idxs = _attn_inputs(B, M, H, Dh, N, K, seed=0)
     scale = Dh**-0.5
     ref = lambda: ks.sparse_attn_ref(q, kv, sink, idxs, scale)
     o_ref = ref().float()
@@ -392,15 +407,8 @@ def _decode_steady_state(B, H, Dh, K, N, nbytes):
     four independent (q, kv, indices) sets, 128 MiB of KV each, called back to back."""
     from kernels import sparse_attn as ks
 
-    calls = []
-    for seed in range(4):
-        g = torch.Generator(device="cuda").manual_seed(10 + seed)
-        q = torch.randn(B, 1, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
-        kv = torch.randn(B, N, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
-        idxs = torch.argsort(torch.rand(B, 1, N, device="cuda", generator=g), dim=-1)[..., :K].to(torch.int32)
-        idxs[..., -7:] = -1
-        sink = torch.randn(H, device="cuda", generator=g)
-        calls.append(lambda q=q, kv=kv, sink=sink, idxs=idxs: ks.sparse_attn_fwd(q, kv, sink, idxs, Dh**-0.5))
+    sets = [_attn_inputs(B, 1, H, Dh, N, K, seed=10 + i) for i in range(4)]
+    calls = [lambda args=args: ks.sparse_attn_fwd(*args, Dh**-0.5) for args in sets]
     emit({"kernel": "sparse_attn_decode_steady_state", "buffer_sets": len(calls), "bytes_read": nbytes,
           "config": ks.DECODE_CONFIG, "triton": rates(stream_ms(calls), nbytes)})  # fmt: skip
 
@@ -507,9 +515,9 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
     check = {"y_rel_err": rel(y, y_ref), "grad_rel_err_max": max(rel(a, b) for a, b in zip(gs, g_ref))}
     rec = {"kernel": "moe_grouped_fwd", "T": T, "D": D, "F": Fi, "E": E, "K": K, "config": dict(km.CONFIG), **check}
     # the Triton calls are timed before the references, whose graph capture fails (they read expert
-    # counts back to the host): in session 11 the Triton fwd+bwd captured right after such a failure
-    # failed too ("operation failed due to a previous error during capture") and was timed eager,
-    # 3.2 ms of mostly host time (GPU time 0.89 ms); whether it captures on its own is unverified
+    # counts back to the host). The Triton fwd+bwd does not capture either, also timed first
+    # (session 12: "operation failed due to a previous error during capture"), so its line is eager
+    # launches, 3.2 ms of mostly host time; the profile below gives its GPU time (0.88 ms)
     tri_ms = {"fwd": bench_ms(fwd), "fwd_bwd": bench_ms(fwd_bwd)}
     for name, key, ref, dense_ms, fl in (("moe_grouped_fwd", "fwd", lambda: km.moe_ref(*args), dense_fwd_ms, flops_fwd),
                                          ("moe_grouped_fwd_bwd", "fwd_bwd",

@@ -36,6 +36,7 @@ from kernels.quant_math import (  # noqa: F401 - cast_rne is re-exported for the
     INTERPRET,
     _e2m1_code,
     _e2m1_mag_of_code,
+    _e2m1_of_nibble,
     _e2m1_parts,
     _e2m1_qdq,
     _e4m3_byte,
@@ -142,7 +143,7 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # for both layouts in bench/kernels.py's sweep (session 11). Tried, no faster on Triton 3.6: the
 # signs gathered by byte permutes (PRMT) instead of one funnel shift each, L2 prefetch-size hints on
 # inline-asm loads (no arithmetic: 74-75% with or without), two threads per group (68%); a persistent
-# loop fed by pipelined TMA tiles (host descriptors, 1-8 programs per SM, 2-4 stages: 45-66%).
+# loop fed by pipelined TMA tiles (host descriptors, 1-8 programs per SM, 2-4 stages: 15-66%).
 # The figures above are one call per CUDA-graph replay after a zero-fill L2 flush, which charges
 # the op for the flush's dirty lines and ~4 us of launch latency (bench/device_timing.py), and
 # there the E4M3/16 layouts tie (73%). In steady state (back to back over rotating inputs and
@@ -360,6 +361,13 @@ def _pack_words(w, r_R, FMT: tl.constexpr, SRC: tl.constexpr):
 
 
 @triton.jit
+def _codes64(w_lo, w_hi, r_R, FMT: tl.constexpr, SRC: tl.constexpr):
+    """Two [R, 4] word chunks (16 elements) -> their 16 E2M1 nibbles as one int64 [R], w_lo's first."""
+    lo = _pack_words(w_lo, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
+    return lo | (_pack_words(w_hi, r_R, FMT, SRC).to(tl.int64) << 32)
+
+
+@triton.jit
 def _signs_in(acc, even, odd):
     """acc << 8 with the top 4 bits (sign in bit 3) of fp32 odd, then even, funnelled in at the bottom."""
     acc = (acc << 4) | (odd.to(tl.uint32, bitcast=True) >> 28)
@@ -407,10 +415,8 @@ def _fp4_pack_two_groups(xw_ptr, q_ptr, s_ptr, n_pairs, ROWS: tl.constexpr, SRC:
     w0, w1 = _xorsign_abs_words(w0, ta, True, SRC), _xorsign_abs_words(w1, ta, True, SRC)
     w2, w3 = _xorsign_abs_words(w2, tb, True, SRC), _xorsign_abs_words(w3, tb, True, SRC)
     ra_R, rb_R = _e4m3_multiplier(sa_R), _e4m3_multiplier(sb_R)
-    lo = _pack_words(w0, ra_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
-    tl.store(q_ptr + 2 * g_R, lo | (_pack_words(w1, ra_R, FMT, SRC).to(tl.int64) << 32), mask=mask_R)
-    lo = _pack_words(w2, rb_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
-    tl.store(q_ptr + 2 * g_R + 1, lo | (_pack_words(w3, rb_R, FMT, SRC).to(tl.int64) << 32), mask=mask_R)
+    tl.store(q_ptr + 2 * g_R, _codes64(w0, w1, ra_R, FMT, SRC), mask=mask_R)
+    tl.store(q_ptr + 2 * g_R + 1, _codes64(w2, w3, rb_R, FMT, SRC), mask=mask_R)
 
 
 @triton.jit
@@ -456,15 +462,12 @@ def _fp4_pack_groups_kernel(
         r_R = _e4m3_multiplier(s_R)
     else:
         r_R = _pow2_inv(s_R)
-    lo = _pack_words(w0, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
-    hi = _pack_words(w1, r_R, FMT, SRC).to(tl.int64)
+    codes = _codes64(w0, w1, r_R, FMT, SRC)
     if BLOCK == 16:
-        tl.store(q_ptr + g_R, lo | (hi << 32), mask=mask_R)
+        tl.store(q_ptr + g_R, codes, mask=mask_R)
     else:
-        tl.store(q_ptr + 2 * g_R, lo | (hi << 32), mask=mask_R)
-        lo = _pack_words(w2, r_R, FMT, SRC).to(tl.int64) & 0xFFFFFFFF
-        hi = _pack_words(w3, r_R, FMT, SRC).to(tl.int64)
-        tl.store(q_ptr + 2 * g_R + 1, lo | (hi << 32), mask=mask_R)
+        tl.store(q_ptr + 2 * g_R, codes, mask=mask_R)
+        tl.store(q_ptr + 2 * g_R + 1, _codes64(w2, w3, r_R, FMT, SRC), mask=mask_R)
 
 
 @triton.jit
@@ -508,13 +511,9 @@ def _qdq_groups_kernel(x_ptr, y_ptr, n_groups, FMT: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _unpack_word(w_R, s_R, OT: tl.constexpr):
-    """int32 word [R] of 8 packed E2M1 codes (low nibble first) -> the 8 values · s as [R, 8] in OT.
-    A code's 3 magnitude bits shifted to fp32 bit 22 are the E2M1 value times 2^-126 exactly (code 1:
-    the subnormal 2^-127; 2..7: exponent (c >> 1), mantissa bit c & 1), so one multiply by 2^126 and
-    one by the scale (both exact, power-of-two or e4m3 x E2M1 products) give the value."""
-    nib = (w_R[:, None] >> (4 * tl.arange(0, 8))[None, :]) & 15
-    bits = ((nib & 7) << 22) | ((nib & 8) << 28)
-    v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    """int32 word [R] of 8 packed E2M1 codes (low nibble first) -> the 8 values · s as [R, 8] in OT:
+    `_e2m1_of_nibble` and one multiply by the scale (exact: power-of-two or e4m3 x E2M1 products)."""
+    v = _e2m1_of_nibble((w_R[:, None] >> (4 * tl.arange(0, 8))[None, :]) & 15)  # & 15: the SASS of before
     return cast_rne(v * s_R[:, None], OT)
 
 

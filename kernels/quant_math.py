@@ -112,6 +112,15 @@ def _e2m1_mag_of_code(c):
 
 
 @triton.jit
+def _e2m1_of_nibble(c):
+    """int32 whose low 4 bits are an E2M1 code (bit 3 the sign; higher bits ignored) -> its signed
+    value, fp32. The code's 3 magnitude bits moved to fp32 bit 22 are the value times 2^-126 exactly
+    (code 1: the subnormal 2^-127; 2..7: exponent c >> 1, mantissa bit c & 1), so one multiply by
+    2^126 gives it, exact."""
+    return (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
 def _pow2_ceil(x):
     """2^ceil(log2(x)) for a positive normal fp32 x, on the bits (official fast_round_scale)."""
     bits = x.to(tl.int32, bitcast=True)

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kernels.launch import dot_args, interpreting, launch_opts, sm_count
-from kernels.quant_math import _e4m3_of_byte, cast_rne
+from kernels.quant_math import _e2m1_of_nibble, _e4m3_of_byte, cast_rne
 from model.attention import sparse_attn_ref
 
 __all__ = [
@@ -115,13 +115,11 @@ def _main_kv_rows(ckv_K, mask_K, DH: tl.constexpr):
     """[BK, DH] fp32 values of packed main-KV entries (model/packed_cache.py: DH/2 bytes of E2M1
     codes, low nibble = even element, then one E4M3 scale byte per 16 elements). Each element reads
     its code byte and scale byte itself (repeat reads hit L1): no interleave or reshape, whose layout
-    conversions cost registers here. A code's 3 magnitude bits moved to fp32 bit 22 are its E2M1
-    value times 2^-126 exactly (kernels/quant.py's unpack), and value x scale is exact, so the rows
-    equal `unpack_main_kv`'s bit for bit."""
+    conversions cost registers here. `_e2m1_of_nibble` and value x scale are exact, so the rows equal
+    `unpack_main_kv`'s bit for bit."""
     d_D = tl.arange(0, DH)
     code = tl.load(ckv_K[:, None] + (d_D // 2)[None, :], mask=mask_K[:, None], other=0).to(tl.int32)
-    nib = (code >> ((d_D % 2) * 4)[None, :]) & 15
-    v = (((nib & 7) << 22) | ((nib & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    v = _e2m1_of_nibble(code >> ((d_D % 2) * 4)[None, :])
     sb = tl.load(ckv_K[:, None] + DH // 2 + (d_D // 16)[None, :], mask=mask_K[:, None], other=0)
     return v * _e4m3_of_byte(sb.to(tl.int32))
 
@@ -151,8 +149,8 @@ def _stage_rows_kernel(
     sb = tl.load(ckv_K[:, None] + DH // 2 + tl.arange(0, A)[None, :], mask=packed_K[:, None], other=0)
     s = _e4m3_of_byte(sb.to(tl.int32))[:, :, None]
     ST: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
-    lo = ((((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37) * s
-    hi = ((((code & 0x70) << 18) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37) * s
+    lo = _e2m1_of_nibble(code) * s
+    hi = _e2m1_of_nibble(code >> 4) * s
     lo16 = lo.to(ST).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi16 = hi.to(ST).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     kv_K = kvw_ptr + (b * N + tl.where(window_K, idx_K, 0)) * (DH // 2)
