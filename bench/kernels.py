@@ -9,14 +9,16 @@ device-to-device copy bandwidth measured here. Times are device times (bench/dev
 each call is captured in a CUDA graph and its replays timed with L2 flushed before each
 (`--eager-launch`: as launched from Python, which for decode-sized calls measures the host); the
 quantize/pack and decode targets are also timed in steady state, back to back over rotating buffers
-(`quantize_steady_state`, `sparse_attn_decode_steady_state` lines), which a single call after a
-zero-fill flush under-reports at these sizes (see device_timing.py). Needs CUDA; it is not a test
-and checks nothing beyond a quick max-error line per kernel (the parity tests are tests/kernels/).
+(`quantize_steady_state`, `sparse_attn_decode_steady_state`, `sparse_attn_decode_bounds_steady_state`
+lines), which a single call after a zero-fill flush under-reports at these sizes (see device_timing.py).
+Needs CUDA; it is not a test and checks nothing beyond a quick max-error line per kernel (the parity
+tests are tests/kernels/).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -398,26 +400,31 @@ def _bench_attn_case(name, B, M, N, configs, copy_bw):
     rounds = 3 if M == 1 else 1  # decode configs differ by a few us: rank them over rounds
     compare(f"sparse_attn_{name}", None, ref, nbytes, flops, copy_bw, sweep, check=check, rounds=rounds, **meta)
     if M == 1:
-        _decode_steady_state(B, H, Dh, K, N, nbytes)
-        _decode_bounds(kv, idxs, copy_bw)
+        # four independent (q, kv, indices) sets, 128 MiB of KV each, for the steady-state timings
+        sets = [_attn_inputs(B, 1, H, Dh, N, K, seed=10 + i) for i in range(4)]
+        _decode_steady_state(sets, nbytes)
+        _decode_bounds(kv, idxs, copy_bw, sets)
 
 
-def _decode_steady_state(B, H, Dh, K, N, nbytes):
+def _decode_steady_state(sets, nbytes):
     """The decode case with the shipped config in steady state (bench/device_timing.py's stream_ms):
-    four independent (q, kv, indices) sets, 128 MiB of KV each, called back to back."""
+    the sets called back to back."""
     from kernels import sparse_attn as ks
 
-    sets = [_attn_inputs(B, 1, H, Dh, N, K, seed=10 + i) for i in range(4)]
+    Dh = sets[0][1].size(-1)
     calls = [lambda args=args: ks.sparse_attn_fwd(*args, Dh**-0.5) for args in sets]
     emit({"kernel": "sparse_attn_decode_steady_state", "buffer_sets": len(calls), "bytes_read": nbytes,
           "config": ks.DECODE_CONFIG, "triton": rates(stream_ms(calls), nbytes)})  # fmt: skip
 
 
-def _decode_bounds(kv, idxs, copy_bw):
+def _decode_bounds(kv, idxs, copy_bw, sets):
     """What the decode case's memory side can reach without its dots: the same rows gathered by a
     probe kernel that only sums them, its gathers streamed num_stages - 1 blocks ahead like the
     attention kernel's (indices loaded a block ahead; 4 programs per row, 16 rows per load), by a
-    probe that loads one 32-row tile per program, and a device copy of as many bytes (read + write)."""
+    probe that loads one 32-row tile per program, and a device copy of as many bytes (read + write).
+    Then in steady state over the sets: the looped probe at the decode kernel's 128 programs (2 per
+    row, 32 rows per load), the one-shot probe at its best tile (16 rows, one warp: 40 programs per
+    row), and a copy kernel of as many bytes."""
     import triton
     import triton.language as tl
 
@@ -469,6 +476,19 @@ def _decode_bounds(kv, idxs, copy_bw):
            "gather_only_probe_one_tile_per_program": rates(bench_ms(tile_probe), gathered, copy_bw=copy_bw),
            "torch_index_select_read_plus_write": rates(bench_ms(lambda: flat.index_select(0, rows)), 2 * gathered),
            "copy_same_bytes": rates(copy_ms, 2 * gathered, copy_bw=copy_bw)})  # fmt: skip
+    # steady state; each call sums into outputs of its own (stream_ms keeps captured outputs apart)
+    looped = [lambda kv=s[1], ix=s[3]: gather_rows_probe[(B, 2)](ix, kv, torch.empty(2, B, Dh, device=kv.device),
+                                                                  N, K, DH=Dh, ROWS=32, SPLIT=2, num_warps=4)
+              for s in sets]  # fmt: skip
+    one_shot = [lambda kv=s[1], ix=s[3]: gather_tile_probe[(B, triton.cdiv(K, 16))](
+        ix, kv, torch.empty(triton.cdiv(K, 16), B, Dh, device=kv.device), N, K, DH=Dh, CH=16, num_warps=1)
+        for s in sets]  # fmt: skip
+    srcs = [torch.empty(gathered // 8, dtype=torch.int64, device=kv.device) for _ in range(8)]
+    copies = [lambda s=s: torch.bitwise_not(s) for s in srcs]  # a kernel when captured, unlike .copy_
+    emit({"kernel": "sparse_attn_decode_bounds_steady_state", "bytes_gathered": gathered,
+          "gather_only_probe_128_programs": rates(stream_ms(looped), gathered),
+          "gather_only_probe_one_tile_of_16_rows_per_program": rates(stream_ms(one_shot), gathered),
+          "copy_kernel_same_bytes": rates(stream_ms(copies), 2 * gathered)})  # fmt: skip
 
 
 def bench_moe(copy_bw: float, quick: bool) -> None:
@@ -507,6 +527,7 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
     emit({"kernel": "moe_dense_cublas_same_flops", "fwd": rates(dense_fwd_ms, flops=flops_fwd),
            "fwd_bwd": rates(dense_fb_ms, flops=3 * flops_fwd)})  # fmt: skip
 
+    _bench_moe_schedule(km, idx, wgt, E)
     fwd = lambda: km.moe_experts(*args)
     fwd_bwd = lambda: torch.autograd.grad(km.moe_experts(*args), leaves, dy)
     _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune=not quick)
@@ -514,10 +535,12 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
     gs = fwd_bwd()
     check = {"y_rel_err": rel(y, y_ref), "grad_rel_err_max": max(rel(a, b) for a, b in zip(gs, g_ref))}
     rec = {"kernel": "moe_grouped_fwd", "T": T, "D": D, "F": Fi, "E": E, "K": K, "config": dict(km.CONFIG), **check}
+    # drop the outputs that keep autograd graphs alive: their AccumulateGrad nodes for the leaves were
+    # made on the default stream, and a captured backward reaching them waits on that stream, which
+    # invalidates the capture (session 13; the fwd+bwd had been timed as eager launches because of it)
+    del y, y_ref
     # the Triton calls are timed before the references, whose graph capture fails (they read expert
-    # counts back to the host). The Triton fwd+bwd does not capture either, also timed first
-    # (session 12: "operation failed due to a previous error during capture"), so its line is eager
-    # launches, 3.2 ms of mostly host time; the profile below gives its GPU time (0.88 ms)
+    # counts back to the host, so their lines are eager launches)
     tri_ms = {"fwd": bench_ms(fwd), "fwd_bwd": bench_ms(fwd_bwd)}
     for name, key, ref, dense_ms, fl in (("moe_grouped_fwd", "fwd", lambda: km.moe_ref(*args), dense_fwd_ms, flops_fwd),
                                          ("moe_grouped_fwd_bwd", "fwd_bwd",
@@ -564,19 +587,44 @@ _MOE_CANDIDATES = {  # (BM, BN, BK, num_warps, num_stages)
 }  # fmt: skip
 
 
+def _bench_moe_schedule(km, idx, wgt, E) -> None:
+    """The forward's assignment schedule (kernels/moe.py's _Schedule: a chunked counting sort in two
+    Triton kernels) against the same tables from torch ops: a stable sort of narrow keys,
+    searchsorted for the expert offsets, the routing weights gathered, the tile cumsums of the
+    forward's BM."""
+    bm = km.CONFIG["up"]["BM"]
+
+    def torch_schedule():
+        keys, order = idx.flatten().to(torch.uint8).sort(stable=True)
+        offs = torch.searchsorted(keys, torch.arange(E + 1, dtype=keys.dtype, device=keys.device), out_int32=True)
+        tile_cum = (((offs[1:] - offs[:-1]).long() + bm - 1) // bm).cumsum(0).to(torch.int32)
+        wgt_N = wgt.detach().float().flatten().index_select(0, order)
+        return order.to(torch.int32), (order // idx.size(1)).to(torch.int32), wgt_N, offs, tile_cum
+
+    def triton_schedule():
+        s = km._Schedule(idx, wgt, E)
+        return s.slot_N, s.tok_N, s.wgt_N, s.offs, s.tile_cum(bm)
+
+    same = all(torch.equal(a, b) for a, b in zip(triton_schedule(), torch_schedule()))
+    tri_ms, ref_ms = bench_ms(triton_schedule), bench_ms(torch_schedule)
+    emit({"kernel": "moe_schedule", "assignments": idx.numel(), "experts": E, "same_tables": same,
+          "triton_us": round(tri_ms * 1e3, 1), "torch_sort_searchsorted_us": round(ref_ms * 1e3, 1),
+          "speedup": round(ref_ms / tri_ms, 2)})  # fmt: skip
+
+
 def _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune: bool) -> None:
     """Each grouped GEMM launched alone on prepared operands (the fwd+bwd wall time is bound by the
     host, so timing the whole call would pick configs by launch noise): its TFLOP/s per config, the
     best kept in km.CONFIG when `tune`, else the current config timed once."""
     E = len(w1s)
     Fi, D = w1s[0].shape
-    sched = km._Schedule(idx, E)
+    sched = km._Schedule(idx, wgt, E)
     N = sched.N
     w1, w1ofs = km._weight_offsets([w.detach() for w in w1s])
     w3, w3ofs = km._weight_offsets([w.detach() for w in w3s])
     w2, w2ofs = km._weight_offsets([w.detach() for w in w2s])
     xd = x.detach()
-    wgt_N = wgt.detach().float().flatten().index_select(0, sched.slot_N.long()).contiguous()
+    wgt_N = sched.wgt_N
     dev, dt = x.device, x.dtype
     gu = torch.empty(N, 2 * Fi, dtype=dt, device=dev)
     h = torch.empty(N, Fi, dtype=dt, device=dev)
@@ -626,7 +674,7 @@ def _moe_kernel_sweep(km, x, wgt, idx, w1s, w3s, w2s, dy, tune: bool) -> None:
     emit({"kernel": "moe_per_kernel_best", "tuned": tune, **summary})
 
 
-def bench_step(copy_bw: float, quick: bool) -> None:
+def bench_step(copy_bw: float, quick: bool, dtype: torch.dtype = torch.bfloat16) -> None:
     """One `small` training step (batch 1 x 4096, bench/model_step.py's loss) with impl torch and
     impl triton on the same weights and tokens: step time (the best of rounds that alternate the
     impls, each the mean of n steps) and the two losses. `--step-dtype float32`:
@@ -642,7 +690,6 @@ def bench_step(copy_bw: float, quick: bool) -> None:
     torch.manual_seed(0)
     seqlen = 2048 if quick else 4096
     prev = torch.get_default_dtype()
-    dtype = OPTS.get("step_dtype", torch.bfloat16)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == torch.float32 or tf32
     torch.set_default_dtype(dtype)
@@ -709,7 +756,6 @@ def main() -> None:
     args = ap.parse_args()
     OPTS["no_compile"] = args.no_compile
     OPTS["eager_launch"] = args.eager_launch
-    OPTS["step_dtype"] = getattr(torch, args.step_dtype)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "bench/kernels.py needs a CUDA GPU"}))
         return
@@ -724,7 +770,7 @@ def main() -> None:
         ("quant", bench_quant),
         ("attn", bench_attn),
         ("mhc", bench_mhc),
-        ("step", bench_step),
+        ("step", functools.partial(bench_step, dtype=getattr(torch, args.step_dtype))),
     )
     for name, fn in benches:
         if name in only:

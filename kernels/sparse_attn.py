@@ -67,11 +67,16 @@ __all__ = [
 # Triton gather of these rows tried reaches more: a sweep of 54 looped probe tiles (rows per load,
 # index splits, stages, warps) peaked at 41.7% and one-shot probes (one [8-128, 512] tile per
 # program, the most loads in flight) at 43.5% (session 11). At this size (9 us of traffic at peak)
-# filling and draining the memory pipeline costs as much as the bytes, so 60% of HBM is out of
-# reach for this kernel. The dots bound it too: 60% (17.5 us) means the 5.4 GFLOP of q·k and p·v at
-# 307 TFLOP/s, 39% of the dense bf16 peak, fed by gathers; the shipped tile sustains 144 TFLOP/s of
-# them in steady state (215 counting the q·k it computes once per column half). Earlier figures (49-58 us) were timed as
-# launched from Python: a split call spends ~160 us on the host, more than the L2 flush's slack.
+# filling and draining the memory pipeline costs as much as the bytes. In steady state
+# (sparse_attn_decode_bounds_steady_state line, session 13) the looped probe at this kernel's 128
+# programs gathers the 42 MB at 58% (15.0 us), one 16-row tile per program (2,560 programs, no loop)
+# at 65%, a copy kernel of as many bytes at 77%: at 128 programs the gathers alone, before q, o and
+# any dot, take 86% of the 17.5 us that 60% allows, and more programs per row add fp32 partials
+# (33 MB at 2 per row). So 60% of HBM is out of reach for this kernel. The dots bound it too: 60%
+# means the 5.4 GFLOP of q·k and p·v at 307 TFLOP/s, 39% of the dense bf16 peak, fed by gathers; the
+# shipped tile sustains 144 TFLOP/s of them in steady state (215 counting the q·k it computes once
+# per column half). Earlier figures (49-58 us) were timed as launched from Python: a split call
+# spends ~160 us on the host, more than the L2 flush's slack.
 # Packed main-KV entries (ckv=), decode-sized 16-bit calls (PACKED_CONFIG, "STAGE"): the rows the
 # indices pick (window rows copied, packed entries decoded) are first written in slot order to a
 # [B, M·K, Dh] staging buffer (_stage_rows_kernel), then the dense kernel runs over it with each

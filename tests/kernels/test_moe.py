@@ -67,21 +67,41 @@ def test_moe_matches_reference(device, T, D, Fi, E, K, limit, skew, dtype, monke
         assert _rel(a, b) < 2 * tol, (i, _rel(a, b))
 
 
-@pytest.mark.parametrize("E", [5, 255, 256, 300])  # uint8 keys; uint8 keys whose bounds need widening; int16
-def test_schedule_groups_assignments_by_expert(E):
+@pytest.mark.parametrize("block", [16, 1024])  # 19 chunks (more than one load of them), 1
+@pytest.mark.parametrize("E", [5, 254, 255, 300])  # 254: the past-N bucket is bucket E + 1
+def test_schedule_groups_assignments_by_expert(E, block, device):
     g = torch.Generator().manual_seed(E)
     T, K = 97, 3
     idx = torch.randn(T, E, generator=g).topk(K, dim=-1).indices
     idx[idx == E // 2] = 0  # an expert with no assignments
-    sched = km._Schedule(idx, E)
+    wgt = torch.rand(T, K, generator=g)
+    sched = km._Schedule(idx.to(device), wgt.to(device), E, block=block)
     expert_N = idx.flatten()
     counts = torch.bincount(expert_N, minlength=E)
-    assert torch.equal(sched.counts_E, counts) and sched.counts_E.dtype == torch.int64
-    assert sched.offs.dtype == torch.int32 and torch.equal(sched.offs[1:].long(), counts.cumsum(0))
+    assert torch.equal(sched.counts_E.cpu(), counts)
+    assert sched.offs.dtype == torch.int32 and torch.equal(sched.offs[1:].long().cpu(), counts.cumsum(0))
     assert sched.offs[0] == 0
     # stable: within an expert, assignments keep their (token, k) order
-    assert torch.equal(sched.slot_N.long(), torch.argsort(expert_N, stable=True))
-    assert torch.equal(sched.tok_N.long(), sched.slot_N.long() // K)
+    order = torch.argsort(expert_N, stable=True)
+    assert torch.equal(sched.slot_N.long().cpu(), order)
+    assert torch.equal(sched.tok_N.long().cpu(), order // K)
+    assert torch.equal(sched.wgt_N.cpu(), wgt.flatten()[order])
+    for bm in (16, 64, 256, 48):  # tabulated by the kernel, and one that is not
+        assert torch.equal(sched.tile_cum(bm).long().cpu(), ((counts + bm - 1) // bm).cumsum(0)), bm
+
+
+def test_schedule_puts_out_of_range_ids_last():
+    """Ids outside 0..E-1 (none come from the router) sort after every expert, in their order, and
+    belong to no expert's rows."""
+    idx = torch.tensor([[3, -1], [0, 7], [9, 3], [1, 0]])
+    sched = km._Schedule(idx, torch.ones(4, 2), 4, block=4)
+    assert sched.slot_N.tolist() == [2, 7, 6, 0, 5, 1, 3, 4]
+    assert sched.offs.tolist() == [0, 2, 3, 3, 5]
+
+
+def test_schedule_rejects_too_many_experts():
+    with pytest.raises(ValueError, match="up to 4094 experts"):
+        km._Schedule(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), 5000)
 
 
 def test_launcher_rejects_bad_inputs(device):
