@@ -309,7 +309,8 @@ def _sched_scatter_kernel(
     """Chunk c's assignments to their sorted positions: a stable counting sort by expert over the
     chunks' histograms hist [C, EP]. An assignment of bucket b at sorted position j of its chunk
     goes to start[b] + (b's count in earlier chunks) + (j - b's first position in the chunk).
-    Program 0 also writes offs [E+1] and tile_cum [N_BM, E] (for BM = 16 << s)."""
+    Every program sums the histograms itself (C^2 EP reads: _Schedule bounds C). Program 0 also
+    writes offs [E+1] and tile_cum [N_BM, E] (for BM = 16 << s)."""
     c = tl.program_id(0)
     C = tl.num_programs(0)
     e_P = tl.arange(0, EP)
@@ -349,10 +350,16 @@ class _Schedule:
     """Sorted-assignment bookkeeping shared by the forward and backward launches: slot_N (the
     assignments' (token, k) positions sorted by expert, stably), tok_N, wgt_N (the routing weights
     in that order, fp32), offs [E+1] (expert e's rows are offs[e]:offs[e+1]) and the tile tables.
-    Two Triton kernels build all of it (a chunked counting sort, no host sync), where a stable
-    sort, searchsorted, the weights' gather and the tile cumsums took 17 launches."""
+    Ids outside 0..E-1 (none come from the router) sort last, in their order, in no expert's rows.
+    Up to MAX_CHUNKS chunks, two Triton kernels build all of it (a chunked counting sort, no host
+    sync) where torch ops take 17 launches; above, the torch ops (a stable sort of narrow keys and
+    searchsorted), whose time grows far slower with N than the kernels' C^2 histogram reads.
+    H200, one call after an L2 flush (session 13; torch ops in brackets): 32768 assignments over 32
+    experts 11.6 us (54.9), 65536 over 256: 17.9 (67.0), 131072 over 256: 25.5 (68.7), 524288 over
+    256 at 1024 chunks: 162.7 (80.7)."""
 
     _BMS = 5  # tile tables for BM 16, 32, 64, 128, 256
+    MAX_CHUNKS = 256
 
     def __init__(self, topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor, n_experts: int, block: int | None = None):
         T, K = topk_idx_TK.shape
@@ -361,22 +368,24 @@ class _Schedule:
         EP = triton.next_power_of_2(n_experts + 2)  # buckets: experts, out-of-range ids, past-N lanes
         if EP > 4096:
             raise ValueError(f"the Triton MoE schedule takes up to 4094 experts, got {n_experts}; use impl=torch")
+        ids_N, w_N = topk_idx_TK.contiguous().view(-1), weights_TK.detach().contiguous().view(-1)
+        # assignments per program: a bitonic sort of BLOCK keys. Best of a sweep on the H200 (BLOCK
+        # 128-4096, 1-8 warps): 256 for 32 experts (18.8 us at 1024), 512 for 256 (25.4 us at 256)
+        block = block or (256 if EP <= 128 else 512)
+        C = triton.cdiv(self.N, block)
+        self._tiles: dict[int, torch.Tensor] = {}
+        self._tile_table = None
+        if C > self.MAX_CHUNKS:
+            self._sort_schedule(ids_N, w_N)
+            return
         new = torch.empty if self.N else torch.zeros  # with assignments, the kernels write every entry
         self.slot_N = torch.empty(self.N, dtype=torch.int32, device=dev)
         self.tok_N = torch.empty(self.N, dtype=torch.int32, device=dev)
         self.wgt_N = torch.empty(self.N, dtype=torch.float32, device=dev)
         self.offs = new(n_experts + 1, dtype=torch.int32, device=dev)
         self._tile_table = new(self._BMS, n_experts, dtype=torch.int32, device=dev)
-        self._tiles: dict[int, torch.Tensor] = {}
         if not self.N:
             return
-        ids_N, w_N = topk_idx_TK.contiguous().view(-1), weights_TK.detach().contiguous().view(-1)
-        # assignments per program: a bitonic sort of BLOCK keys, and every program reads all C
-        # histograms. Best of a sweep on the H200 (BLOCK 128-4096, 1-8 warps; one call after an L2
-        # flush): 32768 assignments, 32 experts: 11.6 us at 256 (18.8 at 1024), against 55.1 us for
-        # sort + searchsorted; 65536 over 256 experts: 18.1 us at 512 (25.4 at 256), against 67.6 us
-        block = block or (256 if EP <= 128 else 512)
-        C = triton.cdiv(self.N, block)
         hist = torch.empty(C, EP, dtype=torch.int32, device=dev)
         table = torch.empty(C, EP, dtype=torch.int32, device=dev)
         opts = {} if interpreting() else {"num_warps": 4}
@@ -386,6 +395,17 @@ class _Schedule:
             self.N, n_experts, K, BLOCK=block, EP=EP, CB=max(1, min(64, 4096 // EP)), N_BM=self._BMS, **opts,
         )  # fmt: skip
 
+    def _sort_schedule(self, ids_N: torch.Tensor, w_N: torch.Tensor) -> None:
+        E = self.E
+        # narrow keys: the radix sort makes one pass per key byte (8 for int64 ids)
+        keys_N = torch.where((ids_N >= 0) & (ids_N < E), ids_N, E).to(torch.uint8 if E <= 255 else torch.int16)
+        keys_N, order_N = keys_N.sort(stable=True)
+        self.slot_N = order_N.to(torch.int32)
+        self.tok_N = (order_N // self.K).to(torch.int32)
+        self.wgt_N = w_N.float().index_select(0, order_N)
+        bounds = torch.arange(E + 1, dtype=keys_N.dtype, device=keys_N.device)
+        self.offs = torch.searchsorted(keys_N, bounds, out_int32=True)
+
     @property
     def counts_E(self) -> torch.Tensor:
         return (self.offs[1:] - self.offs[:-1]).long()
@@ -393,9 +413,9 @@ class _Schedule:
     def tile_cum(self, bm: int) -> torch.Tensor:
         """Inclusive cumsum over experts of cdiv(count_e, bm), int32 [E]."""
         s = bm.bit_length() - 5
-        if bm == 16 << s and 0 <= s < self._BMS:
+        if self._tile_table is not None and bm == 16 << s and 0 <= s < self._BMS:
             return self._tile_table[s]
-        if bm not in self._tiles:  # a tile the kernel does not tabulate
+        if bm not in self._tiles:  # a tile the kernel does not tabulate, or no kernel ran
             self._tiles[bm] = ((self.counts_E + bm - 1) // bm).cumsum(0).to(torch.int32)
         return self._tiles[bm]
 

@@ -67,14 +67,16 @@ def test_moe_matches_reference(device, T, D, Fi, E, K, limit, skew, dtype, monke
         assert _rel(a, b) < 2 * tol, (i, _rel(a, b))
 
 
+@pytest.mark.parametrize("kernels", [True, False])  # the counting-sort kernels / torch's sort (many chunks)
 @pytest.mark.parametrize("block", [16, 1024])  # 19 chunks (more than one load of them), 1
 @pytest.mark.parametrize("E", [5, 254, 255, 300])  # 254: the past-N bucket is bucket E + 1
-def test_schedule_groups_assignments_by_expert(E, block, device):
+def test_schedule_groups_assignments_by_expert(E, block, kernels, device, monkeypatch):
     g = torch.Generator().manual_seed(E)
     T, K = 97, 3
     idx = torch.randn(T, E, generator=g).topk(K, dim=-1).indices
     idx[idx == E // 2] = 0  # an expert with no assignments
     wgt = torch.rand(T, K, generator=g)
+    monkeypatch.setattr(km._Schedule, "MAX_CHUNKS", 1 << 20 if kernels else 0)
     sched = km._Schedule(idx.to(device), wgt.to(device), E, block=block)
     expert_N = idx.flatten()
     counts = torch.bincount(expert_N, minlength=E)
@@ -90,9 +92,11 @@ def test_schedule_groups_assignments_by_expert(E, block, device):
         assert torch.equal(sched.tile_cum(bm).long().cpu(), ((counts + bm - 1) // bm).cumsum(0)), bm
 
 
-def test_schedule_puts_out_of_range_ids_last():
+@pytest.mark.parametrize("kernels", [True, False])
+def test_schedule_puts_out_of_range_ids_last(kernels, monkeypatch):
     """Ids outside 0..E-1 (none come from the router) sort after every expert, in their order, and
     belong to no expert's rows."""
+    monkeypatch.setattr(km._Schedule, "MAX_CHUNKS", 1 << 20 if kernels else 0)
     idx = torch.tensor([[3, -1], [0, 7], [9, 3], [1, 0]])
     sched = km._Schedule(idx, torch.ones(4, 2), 4, block=4)
     assert sched.slot_N.tolist() == [2, 7, 6, 0, 5, 1, 3, 4]
