@@ -72,11 +72,14 @@ __all__ = [
 # programs gathers the 42 MB at 58% (15.0 us), one 16-row tile per program (2,560 programs, no loop)
 # at 65%, a copy kernel of as many bytes at 77%: at 128 programs the gathers alone, before q, o and
 # any dot, take 86% of the 17.5 us that 60% allows, and more programs per row add fp32 partials
-# (33 MB at 2 per row). So 60% of HBM is out of reach for this kernel. The dots bound it too: 60%
-# means the 5.4 GFLOP of q·k and p·v at 307 TFLOP/s, 39% of the dense bf16 peak, fed by gathers; the
-# shipped tile sustains 144 TFLOP/s of them in steady state (215 counting the q·k it computes once
-# per column half). Earlier figures (49-58 us) were timed as launched from Python: a split call
-# spends ~160 us on the host, more than the L2 flush's slack.
+# (33 MB at 2 per row). So 60% of HBM is out of reach for this kernel. The dots bound it first:
+# with every row's 640 indices picking among 32 rows of its KV (2 MB in all, served from L2) the
+# shipped tile still takes 35.8 us in steady state, against 36.7-37.0 us on the real gathers
+# (session 13): its time is the dot chain, not HBM. 60% means the 5.4 GFLOP of q·k and p·v at
+# 307 TFLOP/s, 39% of the dense bf16 peak, fed by gathers; the shipped tile sustains 144 TFLOP/s of
+# them in steady state (215 counting the q·k it computes once per column half). Earlier figures
+# (49-58 us) were timed as launched from Python: a split call spends ~160 us on the host, more than
+# the L2 flush's slack.
 # Packed main-KV entries (ckv=), decode-sized 16-bit calls (PACKED_CONFIG, "STAGE"): the rows the
 # indices pick (window rows copied, packed entries decoded) are first written in slot order to a
 # [B, M·K, Dh] staging buffer (_stage_rows_kernel), then the dense kernel runs over it with each
