@@ -3,8 +3,9 @@
 The N = T·K token-expert assignments are sorted by expert (stable, as the torch path does: a
 chunked counting sort in two small kernels, which also write the expert offsets, the tile tables
 and the routing weights in sorted order; no host sync). Every GEMM is then ONE launch over all
-experts: a program takes a BM-row tile of one expert's rows and one column tile. Expert weights are read
-in place through a table of element offsets from the first expert's tensor (no per-call stacking).
+experts: a program takes a BM-row tile of one expert's rows and one column tile. Expert weights
+are read in place through a table of element offsets from the first expert's tensor (no per-call
+stacking).
   up    gu = [x[tok] @ w1[e]ᵀ, x[tok] @ w3[e]ᵀ] (bf16-rounded, kept for the backward) and the fused
         clamped SwiGLU h = bf16(wgt · silu(min(g, L)) · clamp(u, -L, L))      (L = swiglu_limit)
   down  y[slot] = h @ w2[e]ᵀ, written straight to the (token, k) slot order
