@@ -66,6 +66,14 @@ def stream_ms(fns, rounds: int = 4, reps: int = 20) -> float:
     return _replay_median_ms(_capture(fns, calls), 3, reps) / len(calls)
 
 
+def stream_copy_ms(nbytes: int, sets: int = 4) -> float:
+    """stream_ms of a copy kernel reading nbytes and writing as many, over `sets` source buffers: the
+    ceiling a memory-bound op of those bytes is read against. torch.bitwise_not on int64, because a
+    captured .copy_ becomes a copy-engine node (58% of HBM on the H200) rather than a kernel."""
+    srcs = [torch.empty(nbytes // 8, dtype=torch.int64, device="cuda") for _ in range(sets)]
+    return stream_ms([lambda src=src: torch.bitwise_not(src) for src in srcs])
+
+
 def _capture(warm_calls, calls) -> torch.cuda.CUDAGraph:
     """One CUDA graph of `calls`, after `warm_calls` on a side stream (compilation and allocator
     growth stay outside the capture). Every call's outputs stay alive until the capture ends, so

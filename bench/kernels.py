@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.device_timing import OPTS, bench_ms, compare, emit, rates, stream_ms, timing_floor  # noqa: E402
+from bench.device_timing import OPTS, bench_ms, compare, emit, rates, stream_copy_ms, stream_ms, timing_floor  # noqa: E402
 from bench.kernels_moe import bench_moe  # noqa: E402
 
 
@@ -169,14 +169,8 @@ def _quant_steady_state(quick: bool) -> None:
         ):
             rec[name] = rates(stream_ms([lambda x=x, fn=fn: fn(x) for x in xs]), nbytes)
         del xs
-        # bitwise_not: a copy that a CUDA graph captures as a kernel (a captured .copy_ is a copy-engine node)
-        srcs = [torch.empty(e4m3_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(4)]
-        dsts = [torch.empty_like(src) for src in srcs]
-        copies = [lambda src=src, dst=dst: torch.bitwise_not(src.view(torch.int64), out=dst.view(torch.int64))
-                  for src, dst in zip(srcs, dsts)]  # fmt: skip
-        rec["copy_kernel_same_bytes_as_pack_fp4_e4m3"] = rates(stream_ms(copies), e4m3_bytes)
+        rec["copy_kernel_same_bytes_as_pack_fp4_e4m3"] = rates(stream_copy_ms(e4m3_bytes // 2), e4m3_bytes)
         emit(rec)
-        del srcs, dsts
         torch.cuda.empty_cache()
 
 
@@ -484,12 +478,10 @@ def _decode_bounds(kv, idxs, copy_bw, sets):
     one_shot = [lambda kv=s[1], ix=s[3]: gather_tile_probe[(B, triton.cdiv(K, 16))](
         ix, kv, torch.empty(triton.cdiv(K, 16), B, Dh, device=kv.device), N, K, DH=Dh, CH=16, num_warps=1)
         for s in sets]  # fmt: skip
-    srcs = [torch.empty(gathered // 8, dtype=torch.int64, device=kv.device) for _ in range(8)]
-    copies = [lambda s=s: torch.bitwise_not(s) for s in srcs]  # a kernel when captured, unlike .copy_
     emit({"kernel": "sparse_attn_decode_bounds_steady_state", "bytes_gathered": gathered,
           "gather_only_probe_128_programs": rates(stream_ms(looped), gathered),
           "gather_only_probe_one_tile_of_16_rows_per_program": rates(stream_ms(one_shot), gathered),
-          "copy_kernel_same_bytes": rates(stream_ms(copies), 2 * gathered)})  # fmt: skip
+          "copy_kernel_same_bytes": rates(stream_copy_ms(gathered), 2 * gathered)})  # fmt: skip
 
 
 def bench_step(copy_bw: float, quick: bool, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -291,15 +291,20 @@ def _weight_offsets(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @triton.jit
-def _sched_hist_kernel(ids_ptr, hist_ptr, N, E, BLOCK: tl.constexpr, EP: tl.constexpr):
-    """Chunk c's histogram over buckets: expert ids 0..E-1, E for any id outside them, EP - 1
-    for the lanes past N (EP >= E + 2, so that bucket is never a real one)."""
-    c = tl.program_id(0)
+def _sched_buckets(ids_ptr, c, N, E, BLOCK: tl.constexpr, EP: tl.constexpr):
+    """Chunk c's buckets, int32 [BLOCK]: expert ids 0..E-1, E for any id outside them, EP - 1 for
+    the lanes past N (EP >= E + 2, so that bucket is never a real one)."""
     i_B = c * BLOCK + tl.arange(0, BLOCK)
     ok_B = i_B < N
     ids_B = tl.load(ids_ptr + i_B, mask=ok_B, other=0)
-    b_B = tl.where(ok_B, tl.where((ids_B >= 0) & (ids_B < E), ids_B, E), EP - 1).to(tl.int32)
-    tl.store(hist_ptr + c * EP + tl.arange(0, EP), tl.histogram(b_B, EP))
+    return tl.where(ok_B, tl.where((ids_B >= 0) & (ids_B < E), ids_B, E), EP - 1).to(tl.int32)
+
+
+@triton.jit
+def _sched_hist_kernel(ids_ptr, hist_ptr, N, E, BLOCK: tl.constexpr, EP: tl.constexpr):
+    """Chunk c's histogram over `_sched_buckets`."""
+    c = tl.program_id(0)
+    tl.store(hist_ptr + c * EP + tl.arange(0, EP), tl.histogram(_sched_buckets(ids_ptr, c, N, E, BLOCK, EP), EP))
 
 
 @triton.jit
@@ -329,11 +334,7 @@ def _sched_scatter_kernel(
     tl.store(table_ptr + c * EP + e_P, start_P + before_P - (tl.cumsum(here_P, 0) - here_P))
     tl.debug_barrier()
     local_B = tl.arange(0, BLOCK)
-    i_B = c * BLOCK + local_B
-    ok_B = i_B < N
-    ids_B = tl.load(ids_ptr + i_B, mask=ok_B, other=0)
-    b_B = tl.where(ok_B, tl.where((ids_B >= 0) & (ids_B < E), ids_B, E), EP - 1).to(tl.int32)
-    key_B = tl.sort(b_B * BLOCK + local_B)  # unique keys: the sort keeps each bucket's chunk order
+    key_B = tl.sort(_sched_buckets(ids_ptr, c, N, E, BLOCK, EP) * BLOCK + local_B)  # unique keys: stable
     slot_B = c * BLOCK + key_B % BLOCK  # j-th assignment of the chunk in (bucket, index) order
     dest_B = tl.load(table_ptr + c * EP + key_B // BLOCK) + local_B
     ok_B = slot_B < N
