@@ -2,7 +2,7 @@
 (`bench_ms`), steady-state back-to-back calls over rotating buffers (`stream_ms`), the JSON lines.
 
 Not a benchmark itself and not a test. Two timings, because they disagree for ops of a few tens of
-microseconds (measured on the H200, session 12):
+microseconds (measured on the H200):
 - `bench_ms` times one call per graph replay, after zero-filling a 256 MB buffer so that the op's
   inputs are not in L2. It ranks tile configs well, but it charges the op for two things that are
   not its traffic: the flush leaves L2 full of dirty lines, whose write-back (up to the 50 MB of

@@ -259,7 +259,7 @@ def bench_attn(copy_bw: float, quick: bool) -> None:
                       # whole rows for q·k, half of each row for p·v per program: 128 programs, no partials
                       {**split, "DV": 256, "SPLIT": 1}, {**split, "BK": 32, "DV": 256, "num_stages": 3, "SPLIT": 1},
                       {**split, "BK": 32, "DV": 256, "num_stages": 3, "num_warps": 4, "SPLIT": 1},
-                      # its neighbours (index halves x column halves, SPLIT 2 / 4 at DV 256: 57-80 us, session 12)
+                      # its neighbours (index halves x column halves, SPLIT 2 / 4 at DV 256: 57-80 us)
                       {**split, "BK": 32, "DV": 256, "num_stages": 2, "num_warps": 4, "SPLIT": 1},
                       {**split, "BK": 16, "DV": 256, "num_stages": 4, "num_warps": 4, "SPLIT": 1}]  # fmt: skip
     # (4 stages of 32-index blocks or 2 of 64 need 256 KB of shared memory at DV 256 / 4 warps: no fit)
@@ -531,7 +531,7 @@ def bench_step(copy_bw: float, quick: bool, dtype: torch.dtype = torch.bfloat16)
 
         steps[impl] = step
         # the first steps compile kernels and grow the caching allocator (a Triton step measured
-        # 410 ms after two warm-up steps, 338 ms once warm, session 11): three before any timing
+        # 410 ms after two warm-up steps, 338 ms once warm): three before any timing
         rec[impl] = {"loss": round(step().item(), 5)}
         for _ in range(2):
             step()

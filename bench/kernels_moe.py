@@ -56,7 +56,7 @@ def bench_moe(copy_bw: float, quick: bool) -> None:
     rec = {"kernel": "moe_grouped_fwd", "T": T, "D": D, "F": Fi, "E": E, "K": K, "config": dict(km.CONFIG), **check}
     # drop the outputs that keep autograd graphs alive: their AccumulateGrad nodes for the leaves were
     # made on the default stream, and a captured backward reaching them waits on that stream, which
-    # invalidates the capture (session 13; the fwd+bwd had been timed as eager launches because of it)
+    # invalidates the capture (the fwd+bwd had been timed as eager launches because of it)
     del y, y_ref
     # the Triton calls are timed before the references, whose graph capture fails (they read expert
     # counts back to the host, so their lines are eager launches)

@@ -356,7 +356,7 @@ class _Schedule:
     Up to MAX_CHUNKS chunks, two Triton kernels build all of it (a chunked counting sort, no host
     sync) where torch ops take 17 launches; above, the torch ops (a stable sort of narrow keys and
     searchsorted), whose time grows far slower with N than the kernels' C^2 histogram reads.
-    H200, one call after an L2 flush (session 13; torch ops in brackets): 32768 assignments over 32
+    H200, one call after an L2 flush (torch ops in brackets): 32768 assignments over 32
     experts 11.6 us (54.9), 65536 over 256: 17.9 (67.0), 131072 over 256: 25.5 (68.7), 524288 over
     256 at 1024 chunks: 162.7 (80.7)."""
 

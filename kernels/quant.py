@@ -140,14 +140,14 @@ _DEFAULT_BLOCK = {FMT_FP8: 32, FMT_FP4_E4M3: 16, FMT_MXFP4: 32}
 # took it from 70.4-71.1% to 73.6-73.9% in one process. The clamp now runs on the packed words against
 # 6s (`_e4m3_clamp_words`, half an instruction per element) and the multiplier is rcp.approx (no
 # subnormal guard): 72.5-73.0% against 70.5-71.1% for the previous code in one process, 73.1-73.4%
-# for both layouts in bench/kernels.py's sweep (session 11). Tried, no faster on Triton 3.6: the
+# for both layouts in bench/kernels.py's sweep. Tried, no faster on Triton 3.6: the
 # signs gathered by byte permutes (PRMT) instead of one funnel shift each, L2 prefetch-size hints on
 # inline-asm loads (no arithmetic: 74-75% with or without), two threads per group (68%); a persistent
 # loop fed by pipelined TMA tiles (host descriptors, 1-8 programs per SM, 2-4 stages: 15-66%).
 # The figures above are one call per CUDA-graph replay after a zero-fill L2 flush, which charges
 # the op for the flush's dirty lines and ~4 us of launch latency (bench/device_timing.py), and
 # there the E4M3/16 layouts tie (73%). In steady state (back to back over rotating inputs and
-# outputs, session 12) one group per thread at 64 groups / 2 warps is the best E4M3/16 tile: 75.0%
+# outputs) one group per thread at 64 groups / 2 warps is the best E4M3/16 tile: 75.0%
 # of HBM at 64 MiB of bf16 and 78.8% at 128 MiB, against 72.0% / 78.6% for two groups per thread
 # at 128 / 4 warps (the previous default); a copy kernel of the same bytes 77% / 81%. MXFP4
 # 75.8% / 81.0%, FP8 82.8% / 87.1%; at 512 MiB E4M3/16 84%, MXFP4 85%, FP8 91%.

@@ -55,9 +55,9 @@ __all__ = [
 # 16-index blocks: 256 programs, two per SM at 112 KB of shared memory each) took 57-70 us, SPLIT 4
 # 80 us; merging the partials in the kernel (the last of a row's programs to finish, counted by an
 # atomic, reads the others' from L2) was exact but slower than the combine kernel: 48.8 against
-# 46.2 us (session 12). In steady state (bench/device_timing.py's stream_ms, back to back over four
+# 46.2 us. In steady state (bench/device_timing.py's stream_ms, back to back over four
 # KV sets) the shipped config takes 37.3 us, 28% of HBM. Its neighbours are slower: 2 stages
-# 53.5 us, 16-index blocks 54-55 us, 8 warps 60 us. Also tried (session 12, steady state): both dots
+# 53.5 us, 16-index blocks 54-55 us, 8 warps 60 us. Also tried (steady state): both dots
 # transposed, s [BK, heads] = kv · q^T and acc [Dh, heads] += kv^T · p, so that 32-head programs
 # keep 64-row MMA tiles and the two head halves of a row share no work (a third fewer FLOPs than
 # recomputing q·k per column half): 38.6 us at 64-index blocks (registers spill), 42.1 us at 32.
@@ -66,16 +66,16 @@ __all__ = [
 # orders; torch's index_select of those rows 29% (read bytes), a copy of as many bytes 69-71%. No
 # Triton gather of these rows tried reaches more: a sweep of 54 looped probe tiles (rows per load,
 # index splits, stages, warps) peaked at 41.7% and one-shot probes (one [8-128, 512] tile per
-# program, the most loads in flight) at 43.5% (session 11). At this size (9 us of traffic at peak)
+# program, the most loads in flight) at 43.5%. At this size (9 us of traffic at peak)
 # filling and draining the memory pipeline costs as much as the bytes. In steady state
-# (sparse_attn_decode_bounds_steady_state line, session 13) the looped probe at this kernel's 128
+# (sparse_attn_decode_bounds_steady_state line) the looped probe at this kernel's 128
 # programs gathers the 42 MB at 58% (15.0 us), one 16-row tile per program (2,560 programs, no loop)
 # at 65%, a copy kernel of as many bytes at 77%: at 128 programs the gathers alone, before q, o and
 # any dot, take 86% of the 17.5 us that 60% allows, and more programs per row add fp32 partials
 # (33 MB at 2 per row). So 60% of HBM is out of reach for this kernel. The dots bound it first:
 # with every row's 640 indices picking among 32 rows of its KV (2 MB in all, served from L2) the
-# shipped tile still takes 35.8 us in steady state, against 36.7-37.0 us on the real gathers
-# (session 13): its time is the dot chain, not HBM. 60% means the 5.4 GFLOP of q·k and p·v at
+# shipped tile still takes 35.8 us in steady state, against 36.7-37.0 us on the real gathers:
+# its time is the dot chain, not HBM. 60% means the 5.4 GFLOP of q·k and p·v at
 # 307 TFLOP/s, 39% of the dense bf16 peak, fed by gathers; the shipped tile sustains 144 TFLOP/s of
 # them in steady state (215 counting the q·k it computes once per column half). Earlier figures
 # (49-58 us) were timed as launched from Python: a split call spends ~160 us on the host, more than
@@ -86,7 +86,7 @@ __all__ = [
 # slot's position as its index. B 64, 128 window + 512 packed picks: 61.3 us, against 150-152 us
 # for decoding per element inside the attention kernel (PACKED_FUSED_CONFIG: fp32 and
 # training-sized calls still take it, as they would need a staging buffer per query row), 1.16 ms for
-# unpacking the whole bank first, and 43 us for the dense kernel on rows held unpacked (session 11).
+# unpacking the whole bank first, and 43 us for the dense kernel on rows held unpacked.
 # Rows decoded inside the kernel pass through registers, so their loads are not cp.async-streamed.
 # Tried and not kept: an attention kernel choosing each row from kv or the staging buffer (the
 # pointer select spilled 38 registers: 69 us for the attention alone); whole rows decoded with

@@ -92,7 +92,7 @@ class OPDConfig:
 @dataclass(kw_only=True)
 class DemoConfig:
     """Demo sizes and budgets. Each learning stage has a step budget and a wall-clock cap (`make demo`
-    <= 20 minutes). On a 2-core machine SFT (70-73 of 200 steps in session 8's seeds), RL (92-100 of
+    <= 20 minutes). On a 2-core machine SFT (70-73 of 200 steps in the recorded seeds), RL (92-100 of
     140), the student's SFT (53-69 of 330) and OPD (41 of 90) stop at their caps, so how far each
     gets depends on the machine's speed. With a constant learning rate that moved results as much as
     the seed did (held-out A 0.41 or 0.56 after 80 or 85 steps of seed 0's one SFT trajectory); SFT's
@@ -121,7 +121,7 @@ class DemoConfig:
     # room for the factory stage inside 20 minutes)
     n_acceptance: int = 8
     sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=200, seconds=200.0))
-    # RL: 120 steps took 260-271 s on a quiet machine (session 5). With the evaluations' generation split
+    # RL: 120 steps took 260-271 s on a quiet machine. With the evaluations' generation split
     # over two processes (rl.demo_learning.greedy_families) RL got their time: the 300 s cap stopped it
     # at 92-100 steps (the 245 s cap at 80-89); held-out B after RL was 0.36-0.58 over 3 seeds at 245 s,
     # 0.527-0.533 at 300 s

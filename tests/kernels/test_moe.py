@@ -163,7 +163,7 @@ def test_model_moe_triton_impl_matches_torch_impl(device):
 @pytest.mark.parametrize("tf32", [False, True])
 def test_moe_fp32_at_small_sizes_with_the_shipped_tiles(tf32, monkeypatch):
     # the shipped CONFIG at `small`'s sizes (dim 1024, inter 512, 32 experts, top-4) in fp32, as the
-    # GPU demo runs it; TF32 dots when torch's fp32 matmuls take them (H200, session 6: relative error
+    # GPU demo runs it; TF32 dots when torch's fp32 matmuls take them (H200: relative error
     # 1e-6 with ieee dots, 2.3e-3 with TF32)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
     x, wgt, idx, w1s, w3s, w2s, dy = _inputs(512, 1024, 512, 32, 4, torch.float32, "cuda")
