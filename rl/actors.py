@@ -6,7 +6,8 @@
   once and every worker on the machine reads it from there (weight sync by version; across GPUs the
   NCCL path of rl/weight_sync.py replaces it).
 - `RolloutWorker` (an async actor) holds an InferenceEngine and runs whole GRPO groups of episodes
-  concurrently (rl/rollout.py), batched through one engine.
+  concurrently (rl/rollout.py), batched through one engine; with rollout.agent=server it serves that
+  engine with flashpost-serve on loopback and the external agent loop plays the episodes through it.
 - `TeacherActor` returns, for the same packing as the learner's, full-vocabulary logits or hidden
   states plus its head (the learner rebuilds the logits chunk by chunk).
 The trajectory buffer is owned by the driver (rl/rl_loop.py): one owner, no extra hop.
@@ -23,7 +24,14 @@ import torch
 
 from rl.config import EnvConfig, ModelChoice, RolloutConfig, TrainerConfig
 from rl.payloads import TrainBatch, Trajectory, pack_trajectories
-from rl.rollout import RolloutRequest, SamplingParams, SessionBatcher, run_sandbox_episode, run_toy_episode
+from rl.rollout import (
+    RolloutRequest,
+    SamplingParams,
+    SessionBatcher,
+    run_sandbox_episode,
+    run_served_episode,
+    run_toy_episode,
+)
 
 
 def build_model(choice: ModelChoice, seed: int = 0):
@@ -182,6 +190,14 @@ class RolloutWorker:
         self.version = -1
         self._sandboxes = self._graders = None
         self.n_episodes = 0
+        self.served = None  # rollout.agent=server: (Server, ServerThread); the engine then belongs to its loop
+        if rollout.agent == "server":
+            from rl.serve_app import Server, ServerThread, build_app
+            from rl.serve_engine import ServeConfig
+
+            server = Server(self.engine, self.template, ServeConfig(max_sessions=4096, max_pending=4096,
+                                                                    threads=rollout.threads_per_worker))
+            self.served = (server, ServerThread(build_app(server)).start())
 
     def _engine_lock(self):
         import asyncio
@@ -192,6 +208,12 @@ class RolloutWorker:
 
     async def set_weights(self, payload: tuple[int, dict[str, torch.Tensor]]) -> int:
         version, weights = payload
+        if self.served is not None:
+            import asyncio
+
+            await asyncio.to_thread(self.served[0].loop.load_weights, weights, version)
+            self.version = version
+            return version
         await SessionBatcher(self.engine, self._sampling, lock=self._engine_lock()).load_weights(weights, version)
         self.version = version
         return version
@@ -202,13 +224,19 @@ class RolloutWorker:
 
         if self.version < 0:
             raise RuntimeError("rollout worker has no policy weights yet: call set_weights first")
-        # one batcher per group: a group's engine batches do not depend on what else the worker runs
-        in_process = all(r.env == "toy" for r in requests)
-        batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
         t0 = time.perf_counter()
-        trajs = await asyncio.gather(*(self._episode(r, batcher) for r in requests))
+        if self.served is not None:
+            server, thread = self.served
+            trajs = await asyncio.gather(*(asyncio.to_thread(
+                run_served_episode, r, thread.base_url, server.cfg.model_name, self._sampling) for r in requests))
+            self.tokens_generated = server.loop.stats["tokens_generated"]
+        else:
+            # one batcher per group: a group's engine batches do not depend on what else the worker runs
+            in_process = all(r.env == "toy" for r in requests)
+            batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
+            trajs = await asyncio.gather(*(self._episode(r, batcher) for r in requests))
+            self.tokens_generated += batcher.tokens_generated
         seconds = time.perf_counter() - t0
-        self.tokens_generated += batcher.tokens_generated
         for t in trajs:
             t.engine_version = f"worker{self.index}"
             t.timings["group_s"] = seconds
@@ -251,6 +279,9 @@ class RolloutWorker:
     def close(self) -> None:
         if self._graders is not None:
             self._graders.close()
+        if self.served is not None:
+            self.served[1].stop()
+            self.served[0].loop.close()
 
 
 class TeacherActor:

@@ -8,13 +8,16 @@ the chat template (tools in the system turn), later calls render only the new to
 (`render_continuation`) and `extend` the session, so the session's tokens are exactly what the engine
 consumed and produced, never a re-tokenisation of text. Two episode kinds use it: `run_toy_episode`
 (an in-process task family, no container: CPU tests and benches) and `run_sandbox_episode`
-(envs/episode.py in a Docker sandbox, graded in a pristine grader).
+(envs/episode.py in a Docker sandbox, graded in a pristine grader). `run_served_episode` is the
+rollout-worker mode where the external agent loop (rl/agent_loop.py) plays a toy episode against
+flashpost-serve and the server's session record becomes the trajectory.
 Not here: Ray (rl/actors.py), admission control (rl/buffer.py), advantages and losses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -292,6 +295,40 @@ async def run_sandbox_episode(
                                  infra_failed=infra, timings=timings)
     finally:
         policy.close()
+
+
+def run_served_episode(req: RolloutRequest, base_url: str, model: str, sampling: SamplingParams) -> Trajectory:
+    """One toy episode played by rl/agent_loop.py through the OpenAI API at `base_url` (blocking; run it in
+    a thread). The trajectory is the server's record of the session (GET /v1/sessions/{id}): exactly the
+    tokens the engine consumed and produced; the session is deleted afterwards."""
+    import json
+    import urllib.request
+    import uuid
+
+    from openai import OpenAI
+
+    from rl.agent_loop import AgentSampling, ToyAgentEnv, run_agent
+
+    task = ToyTask(**req.task)
+    env = ToyAgentEnv(task.prompt, task.target, task.n_turns)
+    key = f"{req.key.replace('/', '-')}.{uuid.uuid4().hex[:12]}"  # URL-safe; a re-issued rollout gets a fresh one
+    client = OpenAI(base_url=base_url, api_key="-", max_retries=5)
+    t0 = time.monotonic()
+    result = run_agent(client, model, env, max_turns=task.n_turns, seed=req.seed, session_id=key,
+                       sampling=AgentSampling(temperature=sampling.temperature, top_p=sampling.top_p,
+                                              max_tokens=sampling.max_new_tokens))  # fmt: skip
+    url = f"{base_url}/sessions/{key}"
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        rec = json.loads(resp.read())
+    urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=60).close()
+    reward = env.reward(result.replies[-1] if result.replies else "")
+    return Trajectory(
+        token_ids=rec["token_ids"], loss_mask=rec["loss_mask"], versions=rec["versions"],
+        logprobs=[math.nan if x is None else x for x in rec["logprobs"]],
+        turn_starts=rec["turn_starts"], task_id=req.task_id, group_id=req.group_id, seed=req.seed,
+        transcript=rec["messages"], reward=reward, timings={"agent_s": time.monotonic() - t0},
+        verifier={"passed": reward == 1.0, "target": task.target, "termination": result.termination},
+    )  # fmt: skip
 
 
 EPISODE_KINDS = ("toy", "sandbox")
