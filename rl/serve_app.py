@@ -148,7 +148,7 @@ class Server:
             extend_conversation(engine, conv, ids)
             conv.messages += [dict(m) for m in new]
             conv.roles += roles[n:]
-        conv.busy = True
+        conv.busy, conv.last_used = True, time.monotonic()
         prompt = engine.tokens(conv.sid)
         conv.turn_starts.append(len(prompt))
         return [Opened(conv.sid, prompt, budget, conv)]
@@ -165,7 +165,7 @@ class Server:
         """Reserve capacity, open the choices on the engine thread, queue their generation."""
         self.loop.reserve(params.n)
         try:
-            opened = await self.loop.acall(opener)
+            opened = await self.loop.acall(lambda e: self._expire(e) or opener(e))
         except BaseException:
             self.loop.release(params.n)
             raise
@@ -176,6 +176,14 @@ class Server:
                     prompt_len=len(o.prompt_ids)) for i, o in enumerate(opened)]  # fmt: skip
         self.loop.submit(jobs)
         return run
+
+    def _expire(self, engine: InferenceEngine) -> None:
+        """Close conversations idle for longer than serve.session_ttl_s (engine thread)."""
+        now = time.monotonic()
+        for key, conv in list(self.conversations.items()):
+            if not conv.busy and now - conv.last_used > self.cfg.session_ttl_s:
+                engine.close(conv.sid)
+                del self.conversations[key]
 
     def _finisher(self, o: Opened):
         engine, stop_ids = self.loop.engine, self.template.stop_ids

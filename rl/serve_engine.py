@@ -47,6 +47,7 @@ class ServeConfig:
     batch_wait_s: float = 0.005  # an idle loop waits this long for concurrent requests to arrive together
     prefill_mode: str = "full"
     threads: int = 1  # torch CPU threads of the engine
+    session_ttl_s: float = 3600.0  # a conversation idle this long is closed (its engine session freed)
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in ("full", "ced"):
@@ -219,6 +220,7 @@ class Conversation:
     turn_starts: list[int] = field(default_factory=list)
     turn_closed: bool = True  # the last assistant turn ended with a stop id
     busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
 
     def record(self, engine: InferenceEngine) -> dict[str, Any]:
         """The trajectory so far: what rl/payloads.Trajectory needs, plus the template-form messages. JSON has
@@ -243,6 +245,7 @@ def finish_turn(engine: InferenceEngine, conv: Conversation, job: Job, stop_ids:
     conv.roles.append("assistant")
     conv.turn_closed = bool(job.token_ids) and job.token_ids[-1] in stop_ids
     conv.busy = False
+    conv.last_used = time.monotonic()
 
 
 __all__ = ["Conversation", "EngineLoop", "Job", "ServeConfig", "extend_conversation", "finish_turn"]
