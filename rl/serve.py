@@ -3,7 +3,7 @@
 Launch:
     flashpost-serve                                          # tiny model, seeded weights, 127.0.0.1:8000
     flashpost-serve model=small checkpoint=runs/x/checkpoints/step-00000400/model.safetensors serve.port=8001
-    flashpost-serve model=debug serve.model_name=debug serve.max_pending=64
+    flashpost-serve serve.model_name=policy serve.max_pending=64 serve.decode_chunk=0
     flashpost-serve ... dry_run=true                         # validate and print the resolved config
 Then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`; add
 `extra_body={"session_id": ...}` for token-exact multi-turn sessions (GET /v1/sessions/{id}).

@@ -44,6 +44,7 @@ def test_flashpost_serve_entry_point_serves_chat(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    assert not list(tmp_path.iterdir()), "the server writes nothing into its working folder"
 
 
 def test_load_bench_32_clients_lose_no_request(capsys):
