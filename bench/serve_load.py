@@ -8,8 +8,9 @@ chat completions for a bounded time (each at least one) against a server on loop
 A 429 (capacity) is retried by the client after a backoff, as OpenAI clients do; a request is lost when
 it ends in anything but a reply (after the retries) or never returns. JSON lines: one per client-second
 window (`"kind": "window"`), then the summary: requests, lost, 429s seen, p50/p99 latency of the replied
-requests (seconds, retries included), completion tokens/s over the wall time, and the engine's rows per
-engine call (how many requests shared each batched forward). Loopback only; the loops stop by themselves.
+requests (seconds, retries included), completion tokens/s over the wall time, and for an in-process server
+the requests per batched `generate` call and the generated tokens per model forward (1 = no sharing).
+Loopback only; the loops stop by themselves.
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ def run(args: argparse.Namespace) -> dict:
         "loadavg_1m": os.getloadavg()[0],
     }  # fmt: skip
     if server is not None:
-        st = server.loop.stats
+        st, es = server.loop.stats, server.loop.engine.stats
         summary |= {"flavor": args.flavor, "engine_calls": st["engine_calls"],
-                    "rows_per_engine_call": round(st["rows"] / max(st["engine_calls"], 1), 2)}  # fmt: skip
+                    "rows_per_engine_call": round(st["rows"] / max(st["engine_calls"], 1), 2),
+                    "tokens_per_forward": round(es["tokens_generated"] / max(es["forward_calls"], 1), 2)}  # fmt: skip
         thread.stop()
         server.loop.close()
     print(json.dumps(summary), flush=True)
