@@ -195,8 +195,10 @@ class RolloutWorker:
             from rl.serve_app import Server, ServerThread, build_app
             from rl.serve_engine import ServeConfig
 
-            server = Server(self.engine, self.template, ServeConfig(max_sessions=4096, max_pending=4096,
-                                                                    threads=rollout.threads_per_worker))
+            # a turn is one engine call, as in engine mode: the same draws, and CED turns where episodes have them
+            cfg = ServeConfig(max_sessions=4096, max_pending=4096, decode_chunk=0, prefill_mode=rollout.prefill_mode,
+                              threads=rollout.threads_per_worker)  # fmt: skip
+            server = Server(self.engine, self.template, cfg)
             self.served = (server, ServerThread(build_app(server)).start())
 
     def _engine_lock(self):
@@ -228,7 +230,8 @@ class RolloutWorker:
         if self.served is not None:
             server, thread = self.served
             trajs = await asyncio.gather(*(asyncio.to_thread(
-                run_served_episode, r, thread.base_url, server.cfg.model_name, self._sampling) for r in requests))
+                run_served_episode, r, thread.base_url, server.cfg.model_name, self._sampling, self.template)
+                for r in requests))  # fmt: skip
             self.tokens_generated = server.loop.stats["tokens_generated"]
         else:
             # one batcher per group: a group's engine batches do not depend on what else the worker runs

@@ -297,10 +297,12 @@ async def run_sandbox_episode(
         policy.close()
 
 
-def run_served_episode(req: RolloutRequest, base_url: str, model: str, sampling: SamplingParams) -> Trajectory:
+def run_served_episode(req: RolloutRequest, base_url: str, model: str, sampling: SamplingParams,
+                       template: ChatTemplate) -> Trajectory:  # fmt: skip
     """One toy episode played by rl/agent_loop.py through the OpenAI API at `base_url` (blocking; run it in
     a thread). The trajectory is the server's record of the session (GET /v1/sessions/{id}): exactly the
-    tokens the engine consumed and produced; the session is deleted afterwards."""
+    tokens the engine consumed and produced, a truncated last turn closed with <|end|> as TokenPolicy
+    closes it (a given token: no loss, no log-prob); the session is deleted afterwards."""
     import json
     import urllib.request
     import uuid
@@ -322,6 +324,11 @@ def run_served_episode(req: RolloutRequest, base_url: str, model: str, sampling:
         rec = json.loads(resp.read())
     urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=60).close()
     reward = env.reward(result.replies[-1] if result.replies else "")
+    if rec["loss_mask"][-1] and rec["token_ids"][-1] not in template.stop_ids:
+        end = template.tokenizer.end_id
+        rec["messages"][-1]["token_ids"].append(end)
+        for k, v in (("token_ids", end), ("loss_mask", False), ("logprobs", None), ("versions", -1)):
+            rec[k].append(v)
     return Trajectory(
         token_ids=rec["token_ids"], loss_mask=rec["loss_mask"], versions=rec["versions"],
         logprobs=[math.nan if x is None else x for x in rec["logprobs"]],

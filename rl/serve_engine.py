@@ -42,18 +42,16 @@ class ServeConfig:
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the room left)
     max_n: int = 16
     # tokens per engine call between scheduling points; 0 = a request's whole generation in one call. CED
-    # prefill treats the start of every call as a prompt end, so prefill_mode "ced" needs 0
+    # prefill treats the start of every call as a prompt end, so a "ced" engine needs 0
     decode_chunk: int = 16
     batch_wait_s: float = 0.005  # an idle loop waits this long for concurrent requests to arrive together
-    prefill_mode: str = "full"
+    prefill_mode: str = "full"  # the engine flashpost-serve builds (rl/serve.py)
     threads: int = 1  # torch CPU threads of the engine
     session_ttl_s: float = 3600.0  # a conversation idle this long is closed (its engine session freed)
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in ("full", "ced"):
             raise ValueError(f"serve.prefill_mode={self.prefill_mode!r} is not 'full' or 'ced'")
-        if self.prefill_mode == "ced" and self.decode_chunk != 0:
-            raise ValueError("serve.prefill_mode=ced needs serve.decode_chunk=0: each engine call would be a CED turn")
         if self.decode_chunk < 0 or self.max_pending < 1 or self.max_n < 1:
             raise ValueError("serve.decode_chunk must be >= 0, serve.max_pending and serve.max_n >= 1")
 
@@ -84,6 +82,8 @@ class EngineLoop:
     """The engine's one thread. `call(fn)` runs fn(engine) there and returns a concurrent Future."""
 
     def __init__(self, engine: InferenceEngine, cfg: ServeConfig):
+        if engine.prefill_mode == "ced" and cfg.decode_chunk != 0:
+            raise ValueError("a CED engine needs serve.decode_chunk=0: every engine call would start a CED turn")
         self.engine, self.cfg = engine, cfg
         self._cmds: queue.Queue = queue.Queue()
         self._jobs: list[Job] = []

@@ -339,11 +339,42 @@ def test_served_toy_episode_is_the_session_record(served):
     server, thread, _ = served
     task = vars(toy_tasks(1, n_turns=3)[0])
     req = RolloutRequest(key="g0/0", group_id="g0", task_id=task["task_id"], seed=5, env="toy", task=task)
-    traj = run_served_episode(req, thread.base_url, NAME, SamplingParams(temperature=1.0, max_new_tokens=6))
+    traj = run_served_episode(req, thread.base_url, NAME, SamplingParams(temperature=1.0, max_new_tokens=6),
+                              server.template)  # fmt: skip
     assert len(traj.turn_starts) == 3 and sum(traj.loss_mask) >= 3
     assert server.template.render(traj.transcript).token_ids == traj.token_ids
     assert traj.verifier["termination"] == "done"
     assert not any(k.startswith("g0-0.") for k in server.conversations), "the session is deleted afterwards"
+
+
+def test_a_served_episode_is_the_in_process_episode_token_for_token():
+    """decode_chunk=0 (a turn is one engine call) and the agent loop's per-turn seeds are the rollout worker's
+    engine mode exactly: the same engine calls on the same weights, so the same tokens and log-probs."""
+    import asyncio
+
+    from rl.rollout import (
+        RolloutRequest,
+        SamplingParams,
+        SessionBatcher,
+        run_served_episode,
+        run_toy_episode,
+        toy_tasks,
+    )
+
+    model, template = build_model(DEBUG)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
+    task = vars(toy_tasks(2, n_turns=3)[1])
+    req = RolloutRequest(key="g1/0", group_id="g1", task_id=task["task_id"], seed=9, env="toy", task=task)
+    engine = InferenceEngine(model, template)
+    local = asyncio.run(run_toy_episode(req, SessionBatcher(engine, sampling), template))
+    server = Server(engine, template, ServeConfig(model_name=NAME, decode_chunk=0))
+    with ServerThread(build_app(server)) as thread:
+        served = run_served_episode(req, thread.base_url, NAME, sampling, template)
+    server.loop.close()
+    assert served.token_ids == local.token_ids and served.loss_mask == local.loss_mask
+    assert served.turn_starts == local.turn_starts
+    gen = [i for i, m in enumerate(local.loss_mask) if m]
+    assert [served.logprobs[i] for i in gen] == [local.logprobs[i] for i in gen]
 
 
 def test_factory_llm_client_drives_an_episode_policy(served):
