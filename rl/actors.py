@@ -24,14 +24,7 @@ import torch
 
 from rl.config import EnvConfig, ModelChoice, RolloutConfig, TrainerConfig
 from rl.payloads import TrainBatch, Trajectory, pack_trajectories
-from rl.rollout import (
-    RolloutRequest,
-    SamplingParams,
-    SessionBatcher,
-    run_sandbox_episode,
-    run_served_episode,
-    run_toy_episode,
-)
+from rl.rollout import RolloutRequest, SamplingParams, SessionBatcher, run_sandbox_episode, run_toy_episode
 
 
 def build_model(choice: ModelChoice, seed: int = 0):
@@ -228,11 +221,8 @@ class RolloutWorker:
             raise RuntimeError("rollout worker has no policy weights yet: call set_weights first")
         t0 = time.perf_counter()
         if self.served is not None:
-            server, thread = self.served
-            trajs = await asyncio.gather(*(asyncio.to_thread(
-                run_served_episode, r, thread.base_url, server.cfg.model_name, self._sampling, self.template)
-                for r in requests))  # fmt: skip
-            self.tokens_generated = server.loop.stats["tokens_generated"]
+            trajs = await asyncio.gather(*(self._served_episode(r) for r in requests))
+            self.tokens_generated = self.served[0].loop.stats["tokens_generated"]
         else:
             # one batcher per group: a group's engine batches do not depend on what else the worker runs
             in_process = all(r.env == "toy" for r in requests)
@@ -250,22 +240,38 @@ class RolloutWorker:
         if req.env == "toy":
             return await run_toy_episode(req, batcher, self.template)
         if req.env == "sandbox":
-            import functools
-
-            from envs.grading import grade_patch
-            from envs.pool import GraderPool, SandboxPool
-
-            if self._sandboxes is None:
-                self._sandboxes = SandboxPool(self.env_cfg.max_concurrent)
-                self._graders = GraderPool(max_graders=self.env_cfg.max_concurrent)
-            pool = self._sandboxes
-
-            def factory(task):
-                return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
-
-            grade = functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
-            return await run_sandbox_episode(req, batcher, self.template, factory, grade)
+            return await run_sandbox_episode(req, batcher, self.template, *self._sandbox_tools())
         raise ValueError(f"unknown rollout env {req.env!r}")
+
+    async def _served_episode(self, req: RolloutRequest) -> Trajectory:
+        import asyncio
+
+        from rl.serve_rollout import run_served_episode, run_served_sandbox_episode
+
+        server, thread = self.served
+        args = (req, thread.base_url, server.cfg.model_name, self._sampling, self.template)
+        if req.env == "toy":
+            return await asyncio.to_thread(run_served_episode, *args)
+        if req.env == "sandbox":
+            return await run_served_sandbox_episode(*args, server.max_seq_len, *self._sandbox_tools())
+        raise ValueError(f"unknown rollout env {req.env!r}")
+
+    def _sandbox_tools(self) -> tuple:
+        """(sandbox factory, grade) over this worker's pools, created on first use."""
+        import functools
+
+        from envs.grading import grade_patch
+        from envs.pool import GraderPool, SandboxPool
+
+        if self._sandboxes is None:
+            self._sandboxes = SandboxPool(self.env_cfg.max_concurrent)
+            self._graders = GraderPool(max_graders=self.env_cfg.max_concurrent)
+        pool = self._sandboxes
+
+        def factory(task):
+            return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
+
+        return factory, functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
 
     def stats(self) -> dict[str, float]:
         return {

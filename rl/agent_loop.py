@@ -5,8 +5,9 @@ trajectories token for token (the server records what it consumed and produced).
 The loop: send the conversation, append the assistant message as returned, execute its tool calls with
 the environment's `tool` (or, without calls, take the environment's next observation), until the
 environment says the episode is over, the turn budget is spent or the context is full. `ToyAgentEnv` is
-the toy task family of rl/rollout.py in this form. Not here: the server, trajectories (rl/actors.py
-turns a session record into one), Docker sandboxes.
+the toy task family of rl/rollout.py in this form. `OpenAIPolicy` is the other way round: the policy of
+envs/episode.py's loop (an outside harness with its own tool protocol) served over the OpenAI API. Not
+here: the server, trajectories (rl/serve_rollout.py turns a session record into one), Docker sandboxes.
 """
 
 from __future__ import annotations
@@ -96,6 +97,46 @@ def run_agent(client: Any, model: str, env: AgentEnv, *, max_turns: int, samplin
     return result
 
 
+class OpenAIPolicy:
+    """An envs/episode.py policy (`await policy(messages) -> assistant text`) over an OpenAI endpoint
+    (`openai.AsyncOpenAI`). Tool calls the endpoint returns in OpenAI form are written back as the
+    episode loop's `<tool_call>{json}</tool_call>` text (envs/protocol.py); tool observations go out as
+    tool messages. Turn k asks with seed·1000003 + k and, when given, the `session_id`."""
+
+    def __init__(self, client: Any, model: str, sampling: AgentSampling, *, tools: list[dict[str, Any]] | None,
+                 seed: int | None = None, session_id: str | None = None):  # fmt: skip
+        self.client, self.model, self.sampling, self.tools = client, model, sampling, tools
+        self.seed, self.session_id = seed, session_id
+        self.n_calls = 0
+
+    async def __call__(self, messages: list[Any]) -> str:
+        from envs.protocol import format_tool_call
+
+        wire = []
+        for i, m in enumerate(messages):
+            wire.append({"role": m.role, "content": m.content})
+            if m.role == "tool":
+                wire[-1]["tool_call_id"] = f"observation-{i}"
+        kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        if self.seed is not None:
+            kwargs["seed"] = (self.seed * 1_000_003 + self.n_calls) % 2**63
+        resp = await self.client.chat.completions.create(
+            model=self.model, messages=wire, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            max_tokens=self.sampling.max_tokens,
+            extra_body={"session_id": self.session_id} if self.session_id else None, **kwargs,
+        )  # fmt: skip
+        self.n_calls += 1
+        msg = resp.choices[0].message
+        text = msg.content or ""
+        for c in msg.tool_calls or []:
+            try:
+                args = json.loads(c.function.arguments or "{}")
+            except json.JSONDecodeError:
+                args = {"_unparsed": c.function.arguments}  # the episode loop reports it as a bad call
+            text += format_tool_call(c.function.name, args if isinstance(args, dict) else {"_value": args})
+        return text
+
+
 @dataclass
 class ToyAgentEnv:
     """rl/rollout.py's ToyTask as an agent environment: the task prompt, then a fixed tool observation after
@@ -123,4 +164,4 @@ class ToyAgentEnv:
         return 1.0 if self.target in last_reply else 0.0
 
 
-__all__ = ["AgentEnv", "AgentResult", "AgentSampling", "ToyAgentEnv", "run_agent"]
+__all__ = ["AgentEnv", "AgentResult", "AgentSampling", "OpenAIPolicy", "ToyAgentEnv", "run_agent"]

@@ -334,7 +334,8 @@ def test_idle_sessions_expire_and_free_their_engine_session(served):
 
 
 def test_served_toy_episode_is_the_session_record(served):
-    from rl.rollout import RolloutRequest, SamplingParams, run_served_episode, toy_tasks
+    from rl.rollout import RolloutRequest, SamplingParams, toy_tasks
+    from rl.serve_rollout import run_served_episode
 
     server, thread, _ = served
     task = vars(toy_tasks(1, n_turns=3)[0])
@@ -352,14 +353,8 @@ def test_a_served_episode_is_the_in_process_episode_token_for_token():
     engine mode exactly: the same engine calls on the same weights, so the same tokens and log-probs."""
     import asyncio
 
-    from rl.rollout import (
-        RolloutRequest,
-        SamplingParams,
-        SessionBatcher,
-        run_served_episode,
-        run_toy_episode,
-        toy_tasks,
-    )
+    from rl.rollout import RolloutRequest, SamplingParams, SessionBatcher, run_toy_episode, toy_tasks
+    from rl.serve_rollout import run_served_episode
 
     model, template = build_model(DEBUG)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
