@@ -96,13 +96,14 @@ class Server:
 
     # ------------------------------------------------------------------ opening choices (engine thread)
     def _budget(self, used: int, params: GenParams) -> int:
+        """Tokens this generation may take. A prompt that leaves no room is refused (400); a max_tokens beyond
+        the room is cut to it (the reply then ends with finish_reason "length"), because clients written for
+        large contexts send fixed budgets (synth/llm.py: 2048) that a small model's context cannot hold."""
         room = self.max_seq_len - used
-        want = params.max_tokens if params.max_tokens is not None else min(self.cfg.default_max_tokens, room)
-        if want < 1 or used + want > self.max_seq_len:
-            raise bad(f"this model's maximum context length is {self.max_seq_len} tokens; the prompt has {used} "
-                      f"and {want} more were requested: shorten the conversation or lower max_tokens",
-                      "messages", "context_length_exceeded")  # fmt: skip
-        return want
+        if room < 1:
+            raise bad(f"this model's maximum context length is {self.max_seq_len} tokens and the prompt has {used}: "
+                      "shorten the conversation", "messages", "context_length_exceeded")  # fmt: skip
+        return min(room, self.cfg.default_max_tokens if params.max_tokens is None else params.max_tokens)
 
     def _start(self, engine: InferenceEngine, ids: list[int], n: int) -> list[int]:
         sids = []
