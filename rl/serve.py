@@ -53,7 +53,8 @@ def build_server(job: ServeJobConfig):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = InferenceEngine(model, template, max_sessions=job.serve.max_sessions, device=device,
                              prefill_mode=job.serve.prefill_mode)  # fmt: skip
-    engine.load_state_dict(engine.model.state_dict(), job.policy_version)
+    if job.policy_version:  # the engine stamps tokens with the version its last load_state_dict gave
+        engine.load_state_dict(engine.model.state_dict(), job.policy_version)
     return Server(engine, template, job.serve)
 
 
