@@ -6,7 +6,8 @@
   once and every worker on the machine reads it from there (weight sync by version; across GPUs the
   NCCL path of rl/weight_sync.py replaces it).
 - `RolloutWorker` (an async actor) holds an InferenceEngine and runs whole GRPO groups of episodes
-  concurrently (rl/rollout.py), batched through one engine.
+  concurrently (rl/rollout.py), batched through one engine; with rollout.agent=server it serves that
+  engine with flashpost-serve on loopback and the external agent loop plays the episodes through it.
 - `TeacherActor` returns, for the same packing as the learner's, full-vocabulary logits or hidden
   states plus its head (the learner rebuilds the logits chunk by chunk).
 The trajectory buffer is owned by the driver (rl/rl_loop.py): one owner, no extra hop.
@@ -182,6 +183,16 @@ class RolloutWorker:
         self.version = -1
         self._sandboxes = self._graders = None
         self.n_episodes = 0
+        self.served = None  # rollout.agent=server: (Server, ServerThread); the engine then belongs to its loop
+        if rollout.agent == "server":
+            from rl.serve_app import Server, ServerThread, build_app
+            from rl.serve_engine import ServeConfig
+
+            # a turn is one engine call, as in engine mode: the same draws, and CED turns where episodes have them
+            cfg = ServeConfig(max_sessions=4096, max_pending=4096, decode_chunk=0, prefill_mode=rollout.prefill_mode,
+                              threads=rollout.threads_per_worker)  # fmt: skip
+            server = Server(self.engine, self.template, cfg)
+            self.served = (server, ServerThread(build_app(server)).start())
 
     def _engine_lock(self):
         import asyncio
@@ -192,6 +203,12 @@ class RolloutWorker:
 
     async def set_weights(self, payload: tuple[int, dict[str, torch.Tensor]]) -> int:
         version, weights = payload
+        if self.served is not None:
+            import asyncio
+
+            await asyncio.to_thread(self.served[0].loop.load_weights, weights, version)
+            self.version = version
+            return version
         await SessionBatcher(self.engine, self._sampling, lock=self._engine_lock()).load_weights(weights, version)
         self.version = version
         return version
@@ -202,13 +219,17 @@ class RolloutWorker:
 
         if self.version < 0:
             raise RuntimeError("rollout worker has no policy weights yet: call set_weights first")
-        # one batcher per group: a group's engine batches do not depend on what else the worker runs
-        in_process = all(r.env == "toy" for r in requests)
-        batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
         t0 = time.perf_counter()
-        trajs = await asyncio.gather(*(self._episode(r, batcher) for r in requests))
+        if self.served is not None:
+            trajs = await asyncio.gather(*(self._served_episode(r) for r in requests))
+            self.tokens_generated = self.served[0].loop.stats["tokens_generated"]
+        else:
+            # one batcher per group: a group's engine batches do not depend on what else the worker runs
+            in_process = all(r.env == "toy" for r in requests)
+            batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
+            trajs = await asyncio.gather(*(self._episode(r, batcher) for r in requests))
+            self.tokens_generated += batcher.tokens_generated
         seconds = time.perf_counter() - t0
-        self.tokens_generated += batcher.tokens_generated
         for t in trajs:
             t.engine_version = f"worker{self.index}"
             t.timings["group_s"] = seconds
@@ -219,22 +240,38 @@ class RolloutWorker:
         if req.env == "toy":
             return await run_toy_episode(req, batcher, self.template)
         if req.env == "sandbox":
-            import functools
-
-            from envs.grading import grade_patch
-            from envs.pool import GraderPool, SandboxPool
-
-            if self._sandboxes is None:
-                self._sandboxes = SandboxPool(self.env_cfg.max_concurrent)
-                self._graders = GraderPool(max_graders=self.env_cfg.max_concurrent)
-            pool = self._sandboxes
-
-            def factory(task):
-                return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
-
-            grade = functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
-            return await run_sandbox_episode(req, batcher, self.template, factory, grade)
+            return await run_sandbox_episode(req, batcher, self.template, *self._sandbox_tools())
         raise ValueError(f"unknown rollout env {req.env!r}")
+
+    async def _served_episode(self, req: RolloutRequest) -> Trajectory:
+        import asyncio
+
+        from rl.serve_rollout import run_served_episode, run_served_sandbox_episode
+
+        server, thread = self.served
+        args = (req, thread.base_url, server.cfg.model_name, self._sampling, self.template)
+        if req.env == "toy":
+            return await asyncio.to_thread(run_served_episode, *args)
+        if req.env == "sandbox":
+            return await run_served_sandbox_episode(*args, server.max_seq_len, *self._sandbox_tools())
+        raise ValueError(f"unknown rollout env {req.env!r}")
+
+    def _sandbox_tools(self) -> tuple:
+        """(sandbox factory, grade) over this worker's pools, created on first use."""
+        import functools
+
+        from envs.grading import grade_patch
+        from envs.pool import GraderPool, SandboxPool
+
+        if self._sandboxes is None:
+            self._sandboxes = SandboxPool(self.env_cfg.max_concurrent)
+            self._graders = GraderPool(max_graders=self.env_cfg.max_concurrent)
+        pool = self._sandboxes
+
+        def factory(task):
+            return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
+
+        return factory, functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -251,6 +288,9 @@ class RolloutWorker:
     def close(self) -> None:
         if self._graders is not None:
             self._graders.close()
+        if self.served is not None:
+            self.served[1].stop()
+            self.served[0].loop.close()
 
 
 class TeacherActor:

@@ -165,9 +165,13 @@ class RolloutConfig:
     seed: int = 0
     threads_per_worker: int = 1
     prefill_mode: str = "full"  # the engine's prefill: "ced" (encoder/decoder, bounded replay) or "full"
+    # "engine": episodes call the worker's engine in-process; "server": the worker serves its engine with
+    # flashpost-serve on loopback and the episodes reach it only through the OpenAI API (rl/serve_rollout.py)
+    agent: str = "engine"
 
     def __post_init__(self) -> None:
         _require(self.env, ("toy", "sandbox"), "rollout.env")
+        _require(self.agent, ("engine", "server"), "rollout.agent")
         _require(self.prefill_mode, ("ced", "full"), "rollout.prefill_mode")
         if self.max_policy_lag < 0:
             raise ValueError("rollout.max_policy_lag must be >= 0 (0 = synchronous)")

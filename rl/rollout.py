@@ -8,7 +8,8 @@ the chat template (tools in the system turn), later calls render only the new to
 (`render_continuation`) and `extend` the session, so the session's tokens are exactly what the engine
 consumed and produced, never a re-tokenisation of text. Two episode kinds use it: `run_toy_episode`
 (an in-process task family, no container: CPU tests and benches) and `run_sandbox_episode`
-(envs/episode.py in a Docker sandbox, graded in a pristine grader).
+(envs/episode.py in a Docker sandbox, graded in a pristine grader). Episodes played through
+flashpost-serve instead (rollout.agent=server) are in rl/serve_rollout.py.
 Not here: Ray (rl/actors.py), admission control (rl/buffer.py), advantages and losses.
 """
 
@@ -253,45 +254,66 @@ async def run_sandbox_episode(
 ) -> Trajectory:
     """One envs/episode.py episode in a Docker sandbox. Sandbox or policy errors (no grade) make the
     trajectory `infra_failed`: it is excluded from its group's statistics, not scored 0."""
-    from envs.episode import UNGRADED, EpisodeConfig, run_episode
-    from envs.grading import grade_patch
+    from envs.episode import run_episode
     from envs.task import Task
     from envs.tools import tool_schemas
 
-    task = Task(**req.task)
     policy = TokenPolicy(batcher, template, tool_schemas(), req.seed)
+    kwargs = sandbox_episode_kwargs(template, batcher.engine.max_seq_len, batcher.sampling.max_new_tokens,
+                                    sandbox_factory, grade, episode_config)  # fmt: skip
+    batcher.register()
+    try:
+        result = await run_episode(Task(**req.task), policy, **kwargs)
+    finally:
+        batcher.unregister()
+    fields = graded_fields(result)
+    try:
+        if policy.session is None:  # the sandbox never started: no token was consumed
+            return unstarted_trajectory(req, template, result, fields)
+        return policy.trajectory(req, **fields)
+    finally:
+        policy.close()
+
+
+def sandbox_episode_kwargs(template: ChatTemplate, max_seq_len: int, max_new_tokens: int,
+                           sandbox_factory: Callable | None, grade: Callable | None, episode_config: Any) -> dict:
+    """run_episode's keyword arguments: its token budget in real tokens, with room for one more generation and
+    template overhead; the grader (pristine by default) and the sandbox factory."""  # fmt: skip
+    from envs.episode import EpisodeConfig
+    from envs.grading import grade_patch
+
     config = episode_config or EpisodeConfig(max_turns=4, wall_time_s=300.0)
-    # the episode's token budget in real tokens, with room for one more generation and template overhead
-    budget = batcher.engine.max_seq_len - batcher.sampling.max_new_tokens - 64
-    config.max_tokens = min(config.max_tokens, budget)
+    config.max_tokens = min(config.max_tokens, max_seq_len - max_new_tokens - 64)
     tokenizer = template.tokenizer
     kwargs: dict[str, Any] = {"config": config, "grade": grade or grade_patch,
                               "count_tokens": lambda text: len(tokenizer.encode(text)) + 4}
     if sandbox_factory is not None:
         kwargs["sandbox_factory"] = sandbox_factory
-    batcher.register()
-    try:
-        result = await run_episode(task, policy, **kwargs)
-    finally:
-        batcher.unregister()
-    tr = result.transcript
-    infra = tr.termination in UNGRADED or result.grade is None
-    g = result.grade
+    return kwargs
+
+
+def graded_fields(result: Any) -> dict[str, Any]:
+    """Trajectory fields of a finished run_episode: reward, verifier report, infra_failed, timings."""
+    from envs.episode import UNGRADED
+
+    tr, g = result.transcript, result.grade
     verifier = {"termination": tr.termination, "error": tr.error, "reason": None if g is None else g.reason,
                 "passed": bool(g is not None and g.reward == 1.0), "tests": {} if g is None else dict(g.tests)}
-    timings = {"setup_s": tr.setup_s, "agent_s": tr.agent_s, "grade_s": tr.grade_s}
-    try:
-        if policy.session is None:  # the sandbox never started: no token was consumed
-            prompt = template.render([_as_template_message(m) for m in tr.messages[:2]], tools=tool_schemas(),
-                                     add_generation_prompt=True).token_ids
-            n = len(prompt)
-            return Trajectory(token_ids=prompt, loss_mask=[False] * n, logprobs=[float("nan")] * n,
-                              versions=[-1] * n, turn_starts=[], task_id=req.task_id, group_id=req.group_id,
-                              seed=req.seed, infra_failed=True, verifier=verifier, timings=timings)  # fmt: skip
-        return policy.trajectory(req, reward=0.0 if g is None else g.reward, verifier=verifier,
-                                 infra_failed=infra, timings=timings)
-    finally:
-        policy.close()
+    return {"reward": 0.0 if g is None else g.reward, "verifier": verifier,
+            "infra_failed": tr.termination in UNGRADED or g is None,
+            "timings": {"setup_s": tr.setup_s, "agent_s": tr.agent_s, "grade_s": tr.grade_s}}  # fmt: skip
+
+
+def unstarted_trajectory(req: RolloutRequest, template: ChatTemplate, result: Any, fields: dict) -> Trajectory:
+    """An episode whose policy was never called (its sandbox did not start): the prompt, infra-failed."""
+    from envs.tools import tool_schemas
+
+    prompt = template.render([_as_template_message(m) for m in result.transcript.messages[:2]], tools=tool_schemas(),
+                             add_generation_prompt=True).token_ids  # fmt: skip
+    n = len(prompt)
+    return Trajectory(token_ids=prompt, loss_mask=[False] * n, logprobs=[float("nan")] * n, versions=[-1] * n,
+                      turn_starts=[], task_id=req.task_id, group_id=req.group_id, seed=req.seed, infra_failed=True,
+                      verifier=fields["verifier"], timings=fields["timings"])  # fmt: skip
 
 
 EPISODE_KINDS = ("toy", "sandbox")

@@ -1,7 +1,8 @@
 """FakeOpenAIServer: a tiny OpenAI-compatible /v1/chat/completions server on 127.0.0.1 for protocol tests.
 
 It records every request (path, headers, JSON body) and answers from a script of replies; a reply
-that is an int is sent as that HTTP error status instead. Not a model: it never looks at the prompt.
+that is an int is sent as that HTTP error status instead, and a dict is the assistant message itself
+(e.g. with `tool_calls`). Not a model: it never looks at the prompt.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeOpenAIServer:
-    def __init__(self, replies: list[str | int]):
+    def __init__(self, replies: list[str | int | dict]):
         self.replies = list(replies)
         self.requests: list[dict] = []
         fake = self
@@ -30,9 +31,11 @@ class FakeOpenAIServer:
                     self.end_headers()
                     self.wfile.write(b'{"error": {"message": "scripted failure"}}')
                     return
+                message = {"role": "assistant", **reply} if isinstance(reply, dict) else {"role": "assistant",
+                                                                                            "content": reply}
                 doc = {"id": f"chatcmpl-{len(fake.requests)}", "object": "chat.completion", "model": body["model"],
-                       "choices": [{"index": 0, "finish_reason": "stop",
-                                    "message": {"role": "assistant", "content": reply}}],
+                       "choices": [{"index": 0, "finish_reason": "tool_calls" if "tool_calls" in message else "stop",
+                                    "message": message}],
                        "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}}
                 data = json.dumps(doc).encode()
                 self.send_response(200)
