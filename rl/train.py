@@ -2,7 +2,8 @@
 
 Launch:
     flashpost-train experiment=demo                        # the embedded demo (what `make demo` runs)
-    flashpost-train trainer=rl rollout.max_policy_lag=1    # async RL on the toy family, local Ray, CPU
+    flashpost-train trainer=rl rollout.max_policy_lag=1    # async RL on the toy task set, local Ray, CPU
+    flashpost-train trainer=sft tasks=runs/factory/taskset # a factory task set's train demonstrations
     flashpost-train trainer=opd trainer.teacher_checkpoint=runs/x/checkpoints/step-00000400/model.safetensors
     flashpost-train model=small trainer=sft cluster=h200   # one H200
     flashpost-train model=small trainer=rl cluster=ray_cluster   # a Ray cluster (infra/ray/)

@@ -112,7 +112,7 @@ def _show(args: argparse.Namespace) -> int:
             print(json.dumps(dataclasses.asdict(row), indent=2)[: args.max_chars])
         for d in (d for d in ts.demos if d.task_id == args.task_id):
             print(f"== demonstration {d.id}: {len(d.messages)} message(s)")
-    for stage in STAGES:
+    for stage in STAGES if _factory_run(args.dir) else []:
         rec = StageStore(args.dir, stage.NAME, stage.OUTPUT).load().get(args.task_id)
         if rec is not None:
             found = True
@@ -123,8 +123,13 @@ def _show(args: argparse.Namespace) -> int:
     return 0 if found else 1
 
 
+def _factory_run(out: str) -> bool:
+    """Whether `out` holds factory journals (a `--source families|fixtures|toy` folder has only its set)."""
+    return any((Path(out) / s.NAME / "records.jsonl").exists() for s in STAGES)
+
+
 def _stats(args: argparse.Namespace) -> int:
-    result = stats(args.dir)
+    result = stats(args.dir) if _factory_run(args.dir) else {"funnel": {}, "tasks": 0}
     ts_dir = Path(args.dir) / TASKSET_DIR
     if (ts_dir / taskset.META_FILE).exists():
         ts = taskset.load(ts_dir)

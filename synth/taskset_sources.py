@@ -238,8 +238,10 @@ def repo_source(out_dir: str | Path, progress: bool = True) -> TaskSet:
         matrix = [x for row in rec.pass_matrix.values() for x in row]
         recipe = {"kind": "tree", "image": task.image, "repo_path": rec.repo_path, "mutation": rec.mutation,
                   "overrides": rec.overrides, "command": command}  # fmt: skip
-        source = {"repo": feasible[task.repo].source if task.repo in feasible else task.repo,
-                  "revision": repo.head if repo else ""}  # fmt: skip
+        fr = feasible.get(task.repo)
+        # a git source's commit; else the content hash of the tree (the pristine image's tag)
+        revision = (repo.head if repo else "") or (f"tree:{fr.image.rsplit('-', 1)[-1]}" if fr else "")
+        source = {"repo": fr.source if fr else task.repo, "revision": revision}
         rows.append(_sandbox_row(task, env="sandbox", source=source, family=Path(source["repo"]).name or task.repo,
                                  group=group, image_recipe=recipe,
                                  difficulty=round(1.0 - sum(matrix) / len(matrix), 4) if matrix else 1.0))

@@ -145,3 +145,15 @@ def test_the_trainers_readers_take_the_train_split_of_the_toy_set(tmp_path, monk
     shutil.rmtree(path / "demonstrations")
     with pytest.raises(TaskSetError, match="corrupt"):
         load_tasks(job, progress=False)
+
+
+def test_stats_and_show_read_the_task_set(tmp_path, capsys):
+    out = tmp_path / "toy"
+    assert main(["build", "--source", "toy", "--budget", "4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["stats", str(out)]) == 0
+    assert "4 task(s), 4 demonstration(s); toy/heldout 1, toy/train 3" in capsys.readouterr().out
+    assert main(["show", str(out), "toy-1"]) == 0
+    shown = capsys.readouterr().out
+    assert "== task set:" in shown and "== demonstration toy-1/gold" in shown
+    assert sorted(p.name for p in out.iterdir()) == ["taskset"], "reading made no factory folders"
