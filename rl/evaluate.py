@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rl.config import EvalConfig, to_eval_config
+from synth.taskset import TaskSetError
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -132,7 +133,10 @@ def main(cfg: DictConfig) -> None:
 
     ecfg = to_eval_config(cfg)
     apply_local_env()
-    report = evaluate(ecfg)
+    try:
+        report = evaluate(ecfg)
+    except (TaskSetError, FileNotFoundError) as e:  # bad input: the message names the fix; no traceback
+        raise SystemExit(f"error: {e}") from None
     o = report["overall"]
     print(f"[flashpost-eval] {o['tasks']} task(s): pass@1 {o['pass@1']:.3f}, pass@{ecfg.k} {o['pass@k']:.3f} -> "
           f"{Path(ecfg.out_dir) / 'eval.json'}, eval.md")

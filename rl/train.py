@@ -20,8 +20,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rl.cluster import apply_local_env, shutdown, start_or_join
-from rl.config import register_schemas, to_job_config
+from rl.config import JobConfig, register_schemas, to_job_config
 from rl.stages import record_run
+from synth.taskset import TaskSetError
 
 # An absolute path: Hydra resolves a relative one against the calling module ("rl.train" -> package
 # "conf"), which fails when the installed `flashpost-train` script runs outside the repository root.
@@ -43,20 +44,26 @@ def main(cfg: DictConfig) -> None:
     apply_local_env()
     handle = start_or_join(job.cluster)
     try:
-        if job.entry == "demo":
-            from rl.demo import run_demo
-
-            run_demo(job, run_dir)
-        elif job.trainer.kind in ("rl", "opd"):
-            from rl.rl_loop import run_async
-
-            run_async(job, run_dir)
-        else:
-            from rl.sft_loop import run_supervised
-
-            run_supervised(job, run_dir)
+        _run(job, run_dir)
+    except TaskSetError as e:  # bad task-set input: the message names the fix; no traceback
+        raise SystemExit(f"error: {e}") from None
     finally:
         shutdown(handle)
+
+
+def _run(job: JobConfig, run_dir: Path) -> None:
+    if job.entry == "demo":
+        from rl.demo import run_demo
+
+        run_demo(job, run_dir)
+    elif job.trainer.kind in ("rl", "opd"):
+        from rl.rl_loop import run_async
+
+        run_async(job, run_dir)
+    else:
+        from rl.sft_loop import run_supervised
+
+        run_supervised(job, run_dir)
 
 
 if __name__ == "__main__":
