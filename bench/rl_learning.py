@@ -112,7 +112,7 @@ def rl_job(ns: argparse.Namespace, seed: int, *, dspark_weight: float = 1.0, che
 
     optim = OptimConfig(lr=ns.lr, sinkhorn_lr=ns.lr, muon_lr=ns.muon_lr)
     return JobConfig(
-        model=model, tasks=str(toy_set(ns.n_tasks, ns.turns)),
+        model=model, tasks=str(toy_set(ns.n_tasks, ns.turns, heldout_share=0.0)),
         trainer=TrainerConfig(kind="rl", max_steps=ns.steps, micro_batch_tokens=2048, global_batch_tokens=2048,
                               checkpoint_every=checkpoint_every or ns.steps, seed=seed, optim=optim,
                               dspark_weight=dspark_weight, grad_clip=grad_clip),

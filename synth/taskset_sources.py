@@ -151,7 +151,8 @@ def toy_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
     return msgs
 
 
-def toy_source(n: int = 8, n_turns: int = 2, seed: int = 0, progress: bool = True) -> TaskSet:
+def toy_source(n: int = 8, n_turns: int = 2, seed: int = 0, heldout_share: float = HELDOUT_SHARE,
+               progress: bool = True) -> TaskSet:  # fmt: skip
     from rl.rollout import toy_tasks
 
     rows, demos = [], []
@@ -160,17 +161,18 @@ def toy_source(n: int = 8, n_turns: int = 2, seed: int = 0, progress: bool = Tru
                             group=t.task_id, problem_statement=t.prompt, payload=vars(t)))  # fmt: skip
         demos.append(Demo(id=f"{t.task_id}/gold", task_id=t.task_id, solver="gold", messages=toy_messages(vars(t))))
     meta = {"sources": [{"generator": "toy", "n": n, "n_turns": n_turns}]}
-    return TaskSet(assign_splits(rows, HELDOUT_SHARE), demos, meta)
+    return TaskSet(assign_splits(rows, heldout_share), demos, meta)
 
 
-def toy_set(n: int, n_turns: int) -> Path:
-    """A cached toy task set of n tasks (benches and tests that size their toy family)."""
+def toy_set(n: int, n_turns: int, heldout_share: float = HELDOUT_SHARE) -> Path:
+    """A cached toy task set of n tasks (benches and tests that size their toy family; heldout_share 0:
+    every task trains)."""
     from synth import taskset
 
-    out = cache_root() / f"toy-n{n}-t{n_turns}-v{taskset.SCHEMA_VERSION}"
+    out = cache_root() / f"toy-n{n}-t{n_turns}-h{heldout_share}-v{taskset.SCHEMA_VERSION}"
     if not (out / taskset.META_FILE).exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        taskset.save(toy_source(n=n, n_turns=n_turns), out)
+        taskset.save(toy_source(n=n, n_turns=n_turns, heldout_share=heldout_share), out)
     return out
 
 

@@ -33,7 +33,7 @@ def ray_local():
 def _job(kind: str, steps: int, lag: int, workers: int = 1, lr: float = 1e-3, **rollout) -> JobConfig:
     optim = OptimConfig(lr=lr, sinkhorn_lr=lr, muon_lr=lr * 10)
     return JobConfig(
-        model=DEBUG, tasks=str(toy_set(4, 2)),
+        model=DEBUG, tasks=str(toy_set(4, 2, heldout_share=0.0)),
         trainer=TrainerConfig(kind=kind, max_steps=steps, micro_batch_tokens=256, global_batch_tokens=256,
                               checkpoint_every=2, optim=optim, batch_size=4),
         rollout=RolloutConfig(**{"n_workers": workers, "group_size": 3, "groups_per_step": 2, "max_policy_lag": lag,
