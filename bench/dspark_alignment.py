@@ -56,12 +56,13 @@ def align_drafter(ns: argparse.Namespace, start: Path, out_dir: Path) -> tuple[P
 
     from rl.actors import LearnerActor, build_model
     from rl.sft_loop import DemoStream, demonstrations
+    from synth.taskset_sources import toy_messages
 
     rng = random.Random(ns.seed + 1)
     tasks = [vars(t) for t in toy_tasks(ns.n_tasks, n_turns=ns.turns)]
     _, template = build_model(MODEL)
-    demos = demonstrations([{**t, "target": rng.choice(TOY_TARGETS)} for t in tasks for _ in range(16)], "toy",
-                           template)  # fmt: skip
+    drawn = [{**t, "target": rng.choice(TOY_TARGETS)} for t in tasks for _ in range(16)]
+    demos = demonstrations([toy_messages(t) for t in drawn], [t["task_id"] for t in drawn], "toy", template)
     optim = OptimConfig(lr=ns.dspark_lr, sinkhorn_lr=ns.dspark_lr, muon_lr=10 * ns.dspark_lr)
     trainer = TrainerConfig(kind="dspark", max_steps=ns.dspark_steps, batch_size=16, seed=ns.seed,
                             micro_batch_tokens=2048, global_batch_tokens=2048, optim=optim)  # fmt: skip

@@ -90,12 +90,13 @@ def sft_start(ns: argparse.Namespace, seed: int, run_dir: Path, model: ModelChoi
     (16 per training task). -> its model.safetensors."""
     from rl.actors import build_model
     from rl.sft_loop import demonstrations, run_supervised
+    from synth.taskset_sources import toy_messages
 
     rng = random.Random(seed)
     tasks = [vars(t) for t in toy_tasks(ns.n_tasks, n_turns=ns.turns)]
     _, template = build_model(model)
     shuffled = [{**t, "target": rng.choice(TOY_TARGETS)} for t in tasks for _ in range(16)]
-    demos = demonstrations(shuffled, "toy", template)
+    demos = demonstrations([toy_messages(t) for t in shuffled], [t["task_id"] for t in shuffled], "toy", template)
     optim = OptimConfig(lr=ns.sft_lr, sinkhorn_lr=ns.sft_lr, muon_lr=10 * ns.sft_lr)
     job = JobConfig(model=model, trainer=TrainerConfig(kind="sft", max_steps=ns.sft_steps, batch_size=16, seed=seed,
                                                        micro_batch_tokens=2048, global_batch_tokens=2048,
@@ -107,15 +108,17 @@ def sft_start(ns: argparse.Namespace, seed: int, run_dir: Path, model: ModelChoi
 def rl_job(ns: argparse.Namespace, seed: int, *, dspark_weight: float = 1.0, checkpoint_every: int | None = None,
            grad_clip: float = 1.0, model: ModelChoice = MODEL) -> JobConfig:  # fmt: skip
     """trainer=rl on the toy family, every setting explicit (the bench's conf/trainer/rl.yaml)."""
+    from synth.taskset_sources import toy_set
+
     optim = OptimConfig(lr=ns.lr, sinkhorn_lr=ns.lr, muon_lr=ns.muon_lr)
     return JobConfig(
-        model=model,
+        model=model, tasks=str(toy_set(ns.n_tasks, ns.turns, heldout_share=0.0)),
         trainer=TrainerConfig(kind="rl", max_steps=ns.steps, micro_batch_tokens=2048, global_batch_tokens=2048,
                               checkpoint_every=checkpoint_every or ns.steps, seed=seed, optim=optim,
                               dspark_weight=dspark_weight, grad_clip=grad_clip),
         rollout=RolloutConfig(n_workers=1, group_size=ns.group_size, groups_per_step=ns.groups, max_policy_lag=ns.lag,
                               max_new_tokens=ns.max_new_tokens, max_turns=ns.turns, temperature=ns.temperature,
-                              n_tasks=ns.n_tasks, seed=seed),
+                              seed=seed),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rl.cluster import ClusterConfig
 from rl.demo_config import DemoConfig
+from synth.taskset import TaskFilter
 
 MODEL_FLAVORS = ("debug", "tiny", "small", "flash")
 TRAINER_KINDS = ("sft", "rl", "opd", "dspark")
@@ -160,8 +161,6 @@ class RolloutConfig:
     groups_per_step: int = 2  # GRPO groups per learner update (admission control counts groups)
     max_policy_lag: int = 1
     max_turns: int = 4
-    env: str = "toy"  # "toy": in-process task family (CPU runs); "sandbox": Docker episodes on the fixture tasks
-    n_tasks: int = 8  # size of the toy task family
     seed: int = 0
     threads_per_worker: int = 1
     prefill_mode: str = "full"  # the engine's prefill: "ced" (encoder/decoder, bounded replay) or "full"
@@ -170,7 +169,6 @@ class RolloutConfig:
     agent: str = "engine"
 
     def __post_init__(self) -> None:
-        _require(self.env, ("toy", "sandbox"), "rollout.env")
         _require(self.agent, ("engine", "server"), "rollout.agent")
         _require(self.prefill_mode, ("ced", "full"), "rollout.prefill_mode")
         if self.max_policy_lag < 0:
@@ -212,6 +210,11 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # the task set (synth/taskset.py): a folder, or a shipped name of conf/tasksets/ ("toy", "fixtures",
+    # "families"); sft reads its train demonstrations, rl/opd its train split as episodes (the rows' env
+    # picks in-process or sandboxed episodes)
+    tasks: str = "toy"
+    task_filter: TaskFilter = field(default_factory=TaskFilter)
     run_dir: str = "runs/default"
     dry_run: bool = False
     entry: str = "train"  # "train": the trainer picked by trainer.kind; "demo": the embedded demo pipeline
@@ -246,6 +249,28 @@ class FactoryJobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Root of `flashpost-eval` (conf/eval.yaml): `samples` episodes per task of `split`, pass@1 and pass@k."""
+
+    model: ModelChoice = field(default_factory=ModelChoice)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    tasks: str = "toy"
+    task_filter: TaskFilter = field(default_factory=TaskFilter)
+    split: str = "heldout"
+    checkpoint: str | None = None  # a model.safetensors or a run folder (its latest); None = seeded init
+    init_seed: int = 0  # the seeded initialisation's seed (no checkpoint)
+    samples: int = 4
+    k: int = 4
+    seed: int = 0
+    out_dir: str = "runs/eval"
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or not 1 <= self.k:
+            raise ValueError(f"samples={self.samples} and k={self.k} must be >= 1 (pass@k uses min(k, samples))")
+
+
 def _convert(cfg: DictConfig, schema: type):
     merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
     return OmegaConf.to_object(merged)
@@ -263,6 +288,10 @@ def register_schemas() -> None:
 def to_job_config(cfg: DictConfig) -> JobConfig:
     """Hydra's composed config -> JobConfig, validating types and unknown keys."""
     return _convert(cfg, JobConfig)
+
+
+def to_eval_config(cfg: DictConfig) -> EvalConfig:
+    return _convert(cfg, EvalConfig)
 
 
 def to_factory_config(cfg: DictConfig) -> FactoryJobConfig:

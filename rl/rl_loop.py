@@ -1,7 +1,7 @@
 """The asynchronous driver of trainer=rl (GRPO-family, decoupled PPO) and trainer=opd (reverse KL to a
 teacher on student samples): rollout → score → update → sync → log → checkpoint, as named phases.
 
-Dataflow (DESIGN §3.1): the prompt stream yields GRPO groups (group g: task g mod n_tasks, group_size
+Dataflow (DESIGN §3.1): the prompt stream yields GRPO groups (group g: train task g mod n, group_size
 samples with fixed seeds); a group starts only while the buffer's admission rule allows it at the
 current policy version (max_policy_lag 0 = synchronous), runs whole on one rollout worker, and enters
 the buffer whole; the learner trains on the oldest `groups_per_step` groups as soon as they are ready,
@@ -27,7 +27,7 @@ from rl.advantages import ADVANTAGE_FNS
 from rl.buffer import TrajectoryBuffer
 from rl.config import JobConfig
 from rl.payloads import Trajectory, TrajectoryGroup
-from rl.rollout import RolloutRequest, toy_tasks
+from rl.rollout import RolloutRequest
 
 MAX_GROUP_RETRIES = 3
 MAX_WORKER_REPLACEMENTS = 3  # consecutive deaths of one worker slot (a result from it resets the count)
@@ -76,13 +76,11 @@ def lag_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     return {"policy_lag_max": float(max(lags)), "policy_lag_mean": sum(lags) / len(lags)}
 
 
-def load_tasks(job: JobConfig) -> list[dict[str, Any]]:
-    """The task family as request payloads (ToyTask or envs Task dicts), with their ids."""
-    if job.rollout.env == "toy":
-        return [vars(t) for t in toy_tasks(job.rollout.n_tasks, n_turns=job.rollout.max_turns)]
-    from envs.fixtures.build import fixture_tasks
+def load_tasks(job: JobConfig, progress: bool = True) -> list[dict[str, Any]]:
+    """The train split of job.tasks as episode payloads ({"task_id", "env", "task"}: rl/tasks.py)."""
+    from rl.tasks import episode_tasks, read
 
-    return [t.to_dict() for t in fixture_tasks(build=True)]
+    return episode_tasks(read(job.tasks, job.task_filter, "train", progress=progress).tasks)
 
 
 @dataclass
@@ -107,7 +105,7 @@ class AsyncDriver:
         # starting weights (model.safetensors) when not resuming: the argument, else trainer.init_checkpoint
         self.init_checkpoint = init_checkpoint or job.trainer.init_checkpoint
         r = job.rollout
-        self.tasks = load_tasks(job)
+        self.tasks = load_tasks(job, progress)
         self.buffer = TrajectoryBuffer(batch_size=r.groups_per_step, max_policy_lag=r.max_policy_lag)
         self.version = 0
         self.next_group = 0
@@ -193,7 +191,8 @@ class AsyncDriver:
         task = self.tasks[g % len(self.tasks)]
         key = f"g{g:06d}"
         return [RolloutRequest(key=f"{key}/{m}", group_id=key, task_id=task["task_id"],
-                               seed=r.seed * 1_000_003 + g * r.group_size + m, env=r.env, task=task)
+                               seed=r.seed * 1_000_003 + g * r.group_size + m, env=task["env"],
+                               task=task["task"])
                 for m in range(r.group_size)]  # fmt: skip
 
     def issue(self, key: str, worker: int | None = None) -> None:

@@ -1,7 +1,8 @@
 """The driver of trainer=sft (cross-entropy on demonstration trajectories) and trainer=dspark (the drafter
 alone against the frozen policy, on the same data), with resumable data-loader position.
 
-Demonstrations are rendered conversations (chat template, tools in the system turn for sandbox tasks):
+Demonstrations are a task set's (synth/taskset.py, `tasks=`) train-split transcripts, rendered with the
+chat template (tools in the system turn for sandbox tasks):
 token ids and the assistant loss mask come from `ChatTemplate.render`, turn starts from its spans. The
 stream is an endless sequence of epochs, each a seeded permutation of the demonstrations; its
 position is checkpointed with the learner (one atomic folder), so a resume continues mid-epoch.
@@ -19,47 +20,32 @@ from rl.config import JobConfig
 from rl.payloads import Trajectory
 
 
-def demo_messages(task: dict[str, Any], env: str) -> list[dict[str, Any]]:
-    """A solving conversation for one task: the toy family's reply with the target letter, or the
-    sandbox task's gold patch applied through the bash tool, then submit."""
-    if env == "toy":
-        target = task["target"]
-        msgs = [{"role": "user", "content": task["prompt"]}]
-        for turn in range(task["n_turns"]):
-            msgs.append({"role": "assistant", "content": f"Here: {target}{target} {target}."})
-            if turn + 1 < task["n_turns"]:
-                msgs.append({"role": "tool", "content": f"observation {turn}: keep going"})
-        return msgs
-    from envs.episode import EpisodeConfig, initial_messages
-    from envs.task import Task
-
-    t = Task(**task)
-    system, user = initial_messages(t, EpisodeConfig())
-    apply = f"cd /workspace && git apply <<'PATCH'\n{t.gold_patch}PATCH"
-    return [
-        {"role": "system", "content": system.content}, {"role": "user", "content": user.content},
-        {"role": "assistant", "content": "I will apply the fix.",
-         "tool_calls": [{"name": "bash", "arguments": {"command": apply}}]},
-        {"role": "tool", "content": "exit code 0"},
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]},
-    ]  # fmt: skip
-
-
-def demonstrations(tasks: list[dict[str, Any]], env: str, template) -> list[Trajectory]:
+def demonstrations(conversations: list[list[dict[str, Any]]], task_ids: list[str], env: str,
+                   template) -> list[Trajectory]:  # fmt: skip
+    """Rendered demonstrations (a task set's messages, rl/tasks.py): sandbox conversations with the tool
+    schemas in the system turn, as episodes render them; loss on assistant tokens."""
     tools = None
     if env == "sandbox":
         from envs.tools import tool_schemas
 
         tools = tool_schemas()
     out = []
-    for task in tasks:
-        chat = template.render(demo_messages(task, env), tools=tools)
+    for messages, task_id in zip(conversations, task_ids, strict=True):
+        chat = template.render(messages, tools=tools)
         n = len(chat.token_ids)
         starts = [s.body_start for s in chat.turn_spans if s.role == "assistant"]
         out.append(Trajectory(token_ids=chat.token_ids, loss_mask=chat.loss_mask, logprobs=[float("nan")] * n,
-                              versions=[-1] * n, turn_starts=starts, reward=1.0, task_id=task["task_id"],
-                              group_id=task["task_id"], demo=True))  # fmt: skip
+                              versions=[-1] * n, turn_starts=starts, reward=1.0, task_id=task_id,
+                              group_id=task_id, demo=True))  # fmt: skip
     return out
+
+
+def load_demonstrations(job: JobConfig, template, progress: bool = True) -> list[Trajectory]:
+    """The train split's demonstrations of job.tasks, rendered."""
+    from rl.tasks import demo_conversations, read
+
+    ts = read(job.tasks, job.task_filter, "train", progress=progress)
+    return demonstrations(*demo_conversations(ts, f"tasks={job.tasks}"), template)
 
 
 class DemoStream:
@@ -89,14 +75,13 @@ def run_supervised(job: JobConfig, run_dir: Path, *, progress: bool = True, ray_
 
     from rl.actors import LearnerActor, build_model
     from rl.metrics import RunMetrics
-    from rl.rl_loop import load_tasks
 
     kind = job.trainer.kind
     if kind not in ("sft", "dspark"):
         raise ValueError(f"run_supervised runs trainer=sft or trainer=dspark, not {kind!r}")
     if demos is None:
         _, template = build_model(job.model)
-        demos = demonstrations(load_tasks(job), job.rollout.env, template)
+        demos = load_demonstrations(job, template, progress)
     stream = DemoStream(demos, job.trainer.seed)
     learner = ray.remote(LearnerActor).options(num_cpus=1).remote(job.model, job.trainer, init_seed=job.trainer.seed)
     root = Path(run_dir) / "checkpoints"

@@ -2,7 +2,8 @@
 
 Launch:
     flashpost-train experiment=demo                        # the embedded demo (what `make demo` runs)
-    flashpost-train trainer=rl rollout.max_policy_lag=1    # async RL on the toy family, local Ray, CPU
+    flashpost-train trainer=rl rollout.max_policy_lag=1    # async RL on the toy task set, local Ray, CPU
+    flashpost-train trainer=sft tasks=runs/factory/taskset # a factory task set's train demonstrations
     flashpost-train trainer=opd trainer.teacher_checkpoint=runs/x/checkpoints/step-00000400/model.safetensors
     flashpost-train model=small trainer=sft cluster=h200   # one H200
     flashpost-train model=small trainer=rl cluster=ray_cluster   # a Ray cluster (infra/ray/)
@@ -19,8 +20,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rl.cluster import apply_local_env, shutdown, start_or_join
-from rl.config import register_schemas, to_job_config
+from rl.config import JobConfig, register_schemas, to_job_config
 from rl.stages import record_run
+from synth.taskset import TaskSetError
 
 # An absolute path: Hydra resolves a relative one against the calling module ("rl.train" -> package
 # "conf"), which fails when the installed `flashpost-train` script runs outside the repository root.
@@ -42,20 +44,26 @@ def main(cfg: DictConfig) -> None:
     apply_local_env()
     handle = start_or_join(job.cluster)
     try:
-        if job.entry == "demo":
-            from rl.demo import run_demo
-
-            run_demo(job, run_dir)
-        elif job.trainer.kind in ("rl", "opd"):
-            from rl.rl_loop import run_async
-
-            run_async(job, run_dir)
-        else:
-            from rl.sft_loop import run_supervised
-
-            run_supervised(job, run_dir)
+        _run(job, run_dir)
+    except TaskSetError as e:  # bad task-set input: the message names the fix; no traceback
+        raise SystemExit(f"error: {e}") from None
     finally:
         shutdown(handle)
+
+
+def _run(job: JobConfig, run_dir: Path) -> None:
+    if job.entry == "demo":
+        from rl.demo import run_demo
+
+        run_demo(job, run_dir)
+    elif job.trainer.kind in ("rl", "opd"):
+        from rl.rl_loop import run_async
+
+        run_async(job, run_dir)
+    else:
+        from rl.sft_loop import run_supervised
+
+        run_supervised(job, run_dir)
 
 
 if __name__ == "__main__":

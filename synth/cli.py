@@ -1,9 +1,18 @@
 """`flashpost-factory`: build verified tasks from a repository, and look at what a run produced.
 
   flashpost-factory build --repo <path|git-url|pypi:NAME==VERSION|sample> --out DIR --budget N --concurrency C
+  flashpost-factory build --source families|fixtures|toy --out DIR [--budget N]
   flashpost-factory inspect DIR [--rerun]   per-task gate results (--rerun: run the inspector again)
-  flashpost-factory show DIR TASK_ID        every stage's record of one task
-  flashpost-factory stats DIR               the stage funnel with drop reasons
+  flashpost-factory show DIR TASK_ID        every stage's record of one task, and its task-set row
+  flashpost-factory stats DIR               the stage funnel with drop reasons, and the task set's counts
+  flashpost-factory tasks merge OUT SET...  one task set from several (task ids must not repeat)
+  flashpost-factory tasks filter SET OUT [--split S] [--family F ...] [--source R ...]
+                                         [--min-difficulty X] [--max-difficulty Y]
+
+`build` writes its task set (synth/taskset.py) to DIR/taskset: `--source repo` (the default) runs the
+factory on --repo, `families` writes the demo's families (--budget family-A tasks, half as many
+family-B), `fixtures` the fixture tasks, `toy` the in-process toy family (--budget tasks). Trainers and
+flashpost-eval read it with `tasks=DIR/taskset`.
 
 Flag names follow `rl.config.SynthConfig` (repo, out_dir, task_budget, concurrency, flaky_reruns).
 Not here: stage logic (synth/stages) or sequencing (synth/runner.py).
@@ -12,15 +21,20 @@ Not here: stage logic (synth/stages) or sequencing (synth/runner.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
 
+from synth import taskset
 from synth.config import FactoryOptions
 from synth.records import StageStore
 from synth.runner import STAGES, run_factory, stats
 from synth.stages import inspect
+from synth.taskset_sources import SOURCES
+
+TASKSET_DIR = "taskset"  # build writes DIR/taskset
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -34,10 +48,23 @@ def _build(args: argparse.Namespace) -> int:
         pol = opts.solvers.policy
         pol.checkpoint, pol.device, pol.max_turns = args.policy_checkpoint, args.policy_device, args.policy_max_turns
         pol.max_new_tokens = args.policy_max_new_tokens
+    out = Path(args.out) / TASKSET_DIR
+    if args.source != "repo":
+        kwargs = {"toy": {"n": args.budget, "seed": args.seed}, "fixtures": {},
+                  "families": {"n_a": args.budget, "n_b": max(1, args.budget // 2), "seed": args.seed}}
+        ts = SOURCES[args.source](**kwargs[args.source])
+        taskset.save(ts, out)
+        print(f"{len(ts.tasks)} task(s), {len(ts.demos)} demonstration(s) from source {args.source} -> {out}")
+        return 0
     result = run_factory(opts, stages=args.stages or None)
     _print_funnel(result)
-    print(f"{result['tasks']} task(s) passed every gate in {result['seconds']} s -> {Path(args.out) / 'tasks.json'}")
-    return 0 if result["tasks"] else 1
+    print(f"{result['tasks']} task(s) passed every gate in {result['seconds']} s")
+    if not result["tasks"]:
+        return 1
+    ts = SOURCES["repo"](args.out)
+    taskset.save(ts, out)
+    print(f"task set: {len(ts.tasks)} task(s), {len(ts.demos)} verified demonstration(s) -> {out}")
+    return 0
 
 
 def _print_funnel(result: dict) -> None:
@@ -67,9 +94,25 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _taskset_counts(ts: taskset.TaskSet) -> str:
+    from collections import Counter
+
+    c = Counter((r.family, r.split) for r in ts.tasks)
+    return ", ".join(f"{fam}/{split} {n}" for (fam, split), n in sorted(c.items()))
+
+
 def _show(args: argparse.Namespace) -> int:
     found = False
-    for stage in STAGES:
+    ts_dir = Path(args.dir) / TASKSET_DIR
+    if (ts_dir / taskset.META_FILE).exists():
+        ts = taskset.load(ts_dir)
+        for row in (r for r in ts.tasks if r.id == args.task_id):
+            found = True
+            print(f"== task set: {row.split} {row.family}")
+            print(json.dumps(dataclasses.asdict(row), indent=2)[: args.max_chars])
+        for d in (d for d in ts.demos if d.task_id == args.task_id):
+            print(f"== demonstration {d.id}: {len(d.messages)} message(s)")
+    for stage in STAGES if _factory_run(args.dir) else []:
         rec = StageStore(args.dir, stage.NAME, stage.OUTPUT).load().get(args.task_id)
         if rec is not None:
             found = True
@@ -80,13 +123,43 @@ def _show(args: argparse.Namespace) -> int:
     return 0 if found else 1
 
 
+def _factory_run(out: str) -> bool:
+    """Whether `out` holds factory journals (a `--source families|fixtures|toy` folder has only its set)."""
+    return any((Path(out) / s.NAME / "records.jsonl").exists() for s in STAGES)
+
+
 def _stats(args: argparse.Namespace) -> int:
-    result = stats(args.dir)
+    result = stats(args.dir) if _factory_run(args.dir) else {"funnel": {}, "tasks": 0}
+    ts_dir = Path(args.dir) / TASKSET_DIR
+    if (ts_dir / taskset.META_FILE).exists():
+        ts = taskset.load(ts_dir)
+        result["taskset"] = {"path": str(ts_dir), "tasks": len(ts.tasks), "demonstrations": len(ts.demos),
+                             "counts": _taskset_counts(ts)}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print_funnel(result)
         print(f"tasks: {result['tasks']}")
+        if "taskset" in result:
+            t = result["taskset"]
+            print(f"task set {t['path']}: {t['tasks']} task(s), {t['demonstrations']} demonstration(s); {t['counts']}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    sets = [taskset.load(p) for p in args.sets]
+    ts = taskset.merge(sets)
+    taskset.save(ts, args.out)
+    print(f"{len(ts.tasks)} task(s), {len(ts.demos)} demonstration(s) -> {args.out}; {_taskset_counts(ts)}")
+    return 0
+
+
+def _filter(args: argparse.Namespace) -> int:
+    flt = taskset.TaskFilter(split=args.split, families=args.family, sources=args.source,
+                             min_difficulty=args.min_difficulty, max_difficulty=args.max_difficulty)
+    ts = taskset.select(taskset.load(args.set), flt, args.set)
+    taskset.save(ts, args.out)
+    print(f"{len(ts.tasks)} task(s), {len(ts.demos)} demonstration(s) -> {args.out}; {_taskset_counts(ts)}")
     return 0
 
 
@@ -94,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashpost-factory", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run the pipeline (resumes an interrupted run in the same --out)")
+    b.add_argument("--source", default="repo", choices=sorted(SOURCES),
+                   help="repo: the factory on --repo; families / fixtures / toy: those task sources")
     b.add_argument("--repo", default="sample", help="local path, git URL, pypi:NAME==VERSION, or 'sample'")
     b.add_argument("--out", default="runs/factory")
     b.add_argument("--budget", type=int, default=20, help="tasks wanted (task_budget)")
@@ -126,12 +201,30 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("dir")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=_stats)
+    ts = sub.add_parser("tasks", help="merge or filter task sets").add_subparsers(dest="tasks_cmd", required=True)
+    m = ts.add_parser("merge", help="one task set from several")
+    m.add_argument("out")
+    m.add_argument("sets", nargs="+")
+    m.set_defaults(fn=_merge)
+    f = ts.add_parser("filter", help="the tasks of a set that match, with their demonstrations")
+    f.add_argument("set")
+    f.add_argument("out")
+    f.add_argument("--split", default="", choices=["", *taskset.SPLITS])
+    f.add_argument("--family", action="append", default=[], help="keep this family (repeatable)")
+    f.add_argument("--source", action="append", default=[], help="keep this repository or generator (repeatable)")
+    f.add_argument("--min-difficulty", type=float, default=0.0)
+    f.add_argument("--max-difficulty", type=float, default=1.0)
+    f.set_defaults(fn=_filter)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except taskset.TaskSetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from rl.cluster import ClusterConfig, shutdown, start_or_join
 from rl.config import JobConfig, ModelChoice, OptimConfig, RolloutConfig, TrainerConfig
 from rl.rl_loop import AsyncDriver, Hooks, run_async
 from rl.sft_loop import run_supervised
+from synth.taskset_sources import toy_set
 
 pytestmark = pytest.mark.ray
 
@@ -32,11 +33,11 @@ def ray_local():
 def _job(kind: str, steps: int, lag: int, workers: int = 1, lr: float = 1e-3, **rollout) -> JobConfig:
     optim = OptimConfig(lr=lr, sinkhorn_lr=lr, muon_lr=lr * 10)
     return JobConfig(
-        model=DEBUG,
+        model=DEBUG, tasks=str(toy_set(4, 2, heldout_share=0.0)),
         trainer=TrainerConfig(kind=kind, max_steps=steps, micro_batch_tokens=256, global_batch_tokens=256,
                               checkpoint_every=2, optim=optim, batch_size=4),
         rollout=RolloutConfig(**{"n_workers": workers, "group_size": 3, "groups_per_step": 2, "max_policy_lag": lag,
-                                 "max_new_tokens": 6, "max_turns": 2, "temperature": 1.0, "n_tasks": 4, **rollout}),
+                                 "max_new_tokens": 6, "max_turns": 2, "temperature": 1.0, **rollout}),
     )  # fmt: skip
 
 

@@ -1,0 +1,146 @@
+"""flashpost-eval: held-out pass@1 and pass@k of a policy on a task set, through agent episodes.
+
+Launch:
+    flashpost-eval tasks=runs/factory/taskset checkpoint=runs/x/checkpoints/step-00000400/model.safetensors
+    flashpost-eval tasks=toy checkpoint=runs/x samples=8 k=4     # a run folder: its latest checkpoint
+    flashpost-eval tasks=families model=small cluster=h200 task_filter.families=[A]
+
+Every task of the split (default heldout, conf/eval.yaml) runs `samples` episodes with the rollout
+settings (sandbox rows: envs/episode.py in a Docker sandbox, graded in a pristine grader; toy rows:
+in process) on one in-process rollout worker (rl/actors.py RolloutWorker, the engine trainers sample
+with). pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) over the n graded samples of a task, c
+of them passing, averaged over tasks, overall and per family and source; infrastructure failures are
+not samples (counted apart). Writes OUT/eval.json and OUT/eval.md. Not here: training, the format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from math import comb
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from rl.config import EvalConfig, to_eval_config
+from synth.taskset import TaskSetError
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (k > n: the n samples' any-pass)."""
+    if n == 0:
+        return float("nan")
+    k = min(k, n)
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def checkpoint_file(path: str) -> Path:
+    """A model.safetensors, or the latest checkpoint's of a run folder."""
+    p = Path(path)
+    latest = p / "checkpoints" / "latest"
+    if p.is_dir() and latest.exists():
+        p = p / "checkpoints" / latest.read_text().strip() / "model.safetensors"
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint={path}: no model.safetensors there (nor a run folder with "
+                                "checkpoints/latest); pass a trainer's checkpoint file or its run_dir")
+    return p
+
+
+def _summary(rows: list[dict]) -> dict:
+    keys = ("pass@1", "pass@k")
+    return {"tasks": len(rows), **{k: sum(r[k] for r in rows) / len(rows) if rows else float("nan") for k in keys}}
+
+
+def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
+    from rl.actors import RolloutWorker, build_model
+    from rl.rollout import RolloutRequest
+    from rl.tasks import episode_tasks, read
+
+    ts = read(cfg.tasks, cfg.task_filter, cfg.split, progress=progress)
+    payloads = episode_tasks(ts.tasks)
+    worker = RolloutWorker(cfg.model, cfg.rollout, cfg.env)
+    policy, _ = build_model(cfg.model, seed=cfg.init_seed)
+    if cfg.checkpoint:
+        from model.checkpoint import load_checkpoint
+
+        load_checkpoint(policy, checkpoint_file(cfg.checkpoint))
+    weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    del policy
+    per_task = []
+
+    async def run() -> None:
+        await worker.set_weights((0, weights))
+        for row, task in tqdm(list(zip(ts.tasks, payloads)), desc=f"eval {cfg.split}", unit="task",
+                              disable=not progress):  # fmt: skip
+            reqs = [RolloutRequest(key=f"{row.id}/{m}", group_id=row.id, task_id=row.id, env=task["env"],
+                                   seed=cfg.seed * 1_000_003 + m, task=task["task"]) for m in range(cfg.samples)]
+            trajs = await worker.rollout_group(reqs)
+            graded = [t for t in trajs if not t.infra_failed]
+            c = sum(bool(t.verifier.get("passed")) for t in graded)
+            per_task.append({"task_id": row.id, "family": row.family,
+                             "source": row.source.get("repo") or row.source.get("generator", ""),
+                             "samples": len(graded), "passed": c, "infra_failed": len(trajs) - len(graded),
+                             "pass@1": pass_at_k(len(graded), c, 1), "pass@k": pass_at_k(len(graded), c, cfg.k),
+                             "rewards": [t.reward for t in graded]})  # fmt: skip
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+    scored = [r for r in per_task if r["samples"]]
+    groups: dict[str, dict[str, list[dict]]] = {"family": defaultdict(list), "source": defaultdict(list)}
+    for r in scored:
+        groups["family"][r["family"]].append(r)
+        groups["source"][r["source"]].append(r)
+    report = {
+        "tasks": cfg.tasks, "split": cfg.split, "checkpoint": cfg.checkpoint, "samples": cfg.samples, "k": cfg.k,
+        "overall": _summary(scored), "unscored_tasks": [r["task_id"] for r in per_task if not r["samples"]],
+        "by_family": {k: _summary(v) for k, v in sorted(groups["family"].items())},
+        "by_source": {k: _summary(v) for k, v in sorted(groups["source"].items())},
+        "per_task": per_task,
+    }  # fmt: skip
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "eval.md").write_text(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    k = report["k"]
+    lines = [f"# flashpost-eval: `{report['tasks']}` ({report['split']})", "",
+             f"checkpoint `{report['checkpoint'] or 'seeded initialisation'}`, {report['samples']} sample(s) per task; "
+             f"pass@{k} is the unbiased estimator.", "",
+             f"| group | tasks | pass@1 | pass@{k} |", "|---|---:|---:|---:|"]  # fmt: skip
+    o = report["overall"]
+    lines.append(f"| all | {o['tasks']} | {o['pass@1']:.3f} | {o['pass@k']:.3f} |")
+    for kind in ("family", "source"):
+        for name, s in report[f"by_{kind}"].items():
+            lines.append(f"| {kind} {name} | {s['tasks']} | {s['pass@1']:.3f} | {s['pass@k']:.3f} |")
+    if report["unscored_tasks"]:
+        lines += ["", f"Not scored (every sample an infrastructure failure): {', '.join(report['unscored_tasks'])}"]
+    return "\n".join(lines) + "\n"
+
+
+@hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from rl.cluster import apply_local_env
+
+    ecfg = to_eval_config(cfg)
+    apply_local_env()
+    try:
+        report = evaluate(ecfg)
+    except (TaskSetError, FileNotFoundError) as e:  # bad input: the message names the fix; no traceback
+        raise SystemExit(f"error: {e}") from None
+    o = report["overall"]
+    print(f"[flashpost-eval] {o['tasks']} task(s): pass@1 {o['pass@1']:.3f}, pass@{ecfg.k} {o['pass@k']:.3f} -> "
+          f"{Path(ecfg.out_dir) / 'eval.json'}, eval.md")
+
+
+if __name__ == "__main__":
+    main()

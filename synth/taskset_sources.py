@@ -1,0 +1,297 @@
+"""The sources that write task sets (synth/taskset.py), the demonstrations they record, the image
+recipes that rebuild a missing task image, and the named sets shipped in conf/tasksets/.
+
+Sources (SOURCES, the `--source` of `flashpost-factory build`):
+  repo      a factory run folder (synth/runner.py): the inspector's accepted tasks, one demonstration
+            per solver whose patch passed;
+  families  the demo's synthetic one-function families (synth/families.py) as repository tasks in one
+            image; family A carries demonstrations (the gold edit), family B is tests only;
+  fixtures  the hand-made fixture tasks (envs/fixtures), the gold patch as the demonstration;
+  toy       the in-process toy family (rl/rollout.py) of CPU runs and tests; no container.
+A demonstration of a sandbox task is a real episode (envs/episode.py) in the task's image: the solver's
+patch is replayed as tool calls (run the tests, apply the patch, run them again, submit) and kept only
+when the pristine grader gives it reward 1, so its observations are what the agent would see.
+Not here: the on-disk format (synth/taskset.py) or the factory stages (synth/stages/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from synth.taskset import Demo, TaskRow, TaskSet, TaskSetError, assign_splits
+
+log = logging.getLogger(__name__)
+CONF_TASKS = Path(__file__).resolve().parent.parent / "conf" / "tasksets"
+HELDOUT_SHARE = 0.25
+
+
+# ---------------------------------------------------------------------- demonstrations
+def _script(task, patch: str) -> list[dict[str, Any]]:
+    body = patch if patch.endswith("\n") else patch + "\n"
+    apply = f"cd /workspace && git apply <<'FLASHPOST_PATCH'\n{body}FLASHPOST_PATCH"
+    return [
+        {"role": "assistant", "content": "I will run the tests to see what fails.",
+         "tool_calls": [{"name": "run_tests", "arguments": {}}]},
+        {"role": "assistant", "content": "I will apply the fix.",
+         "tool_calls": [{"name": "bash", "arguments": {"command": apply}}]},
+        {"role": "assistant", "content": "I will check that the tests pass now.",
+         "tool_calls": [{"name": "run_tests", "arguments": {}}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]},
+    ]  # fmt: skip
+
+
+def replay_demo(task, patch: str, solver: str) -> Demo | None:
+    """The transcript of an episode that applies `patch` through tool calls, graded by the pristine
+    grader; None when the replay does not earn reward 1 (the run is not a verified solve)."""
+    from envs.episode import EpisodeConfig, run_episode_sync
+    from envs.grading import grade_patch
+    from model.chat_template import assistant_text
+
+    script = _script(task, patch)
+    turns = iter(script)
+
+    def policy(messages) -> str:
+        return assistant_text(next(turns))
+
+    agent_view = dataclasses.replace(task, gold_patch="")
+    res = run_episode_sync(agent_view, policy, config=EpisodeConfig(max_turns=len(script), wall_time_s=600.0),
+                           grade=lambda _t, diff: grade_patch(task, diff))  # fmt: skip
+    if res.reward != 1.0:
+        log.info("demonstration of %s by %s not kept: %s %s", task.task_id, solver, res.transcript.termination,
+                 res.grade.reason if res.grade else res.transcript.error)
+        return None
+    assistant = iter(script)
+    messages = []
+    for m in res.transcript.messages:
+        if m.role == "assistant":
+            messages.append(next(assistant))
+        else:
+            messages.append({"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})})
+    return Demo(id=f"{task.task_id}/{solver}", task_id=task.task_id, solver=solver, messages=messages)
+
+
+def _demos(rows: list[TaskRow], patches: dict[str, dict[str, str]], progress: bool) -> list[Demo]:
+    """Replayed demonstrations for {task id: {solver: patch}}."""
+    by_id = {r.id: r for r in rows}
+    jobs = [(tid, s, p) for tid, sp in patches.items() for s, p in sp.items() if p]
+    out = []
+    for tid, solver, patch in tqdm(jobs, desc="demonstrations", unit="run", disable=not progress):
+        demo = replay_demo(by_id[tid].task(), patch, solver)
+        if demo is not None:
+            out.append(demo)
+    return out
+
+
+# ---------------------------------------------------------------------- image recipes
+def _rebuild_fixture(recipe: dict) -> str:
+    from envs.fixtures.build import build_task_image, fixture_tasks
+
+    (task,) = [t for t in fixture_tasks(build=False) if t.task_id == recipe["task_id"]]
+    return build_task_image(task).image_digest
+
+
+def _rebuild_families(recipe: dict) -> str:
+    from synth.families import family_tasks
+
+    return family_tasks(_family_instances(recipe["n_a"], recipe["n_b"], recipe["seed"]))[0].image_digest
+
+
+def _rebuild_tree(recipe: dict) -> str:
+    from synth.records import TaskRecord
+    from synth.stages.build import build_tree_image, task_files
+
+    if not Path(recipe["repo_path"]).is_dir():
+        raise TaskSetError(f"image {recipe['image']} is missing and its tree {recipe['repo_path']} is gone: rebuild "
+                           f"it with `{recipe['command']}`")  # fmt: skip
+    rec = TaskRecord(key="", repo_path=recipe["repo_path"], mutation=recipe["mutation"], overrides=recipe["overrides"])
+    return build_tree_image(task_files(rec), recipe["image"])
+
+
+RECIPES: dict[str, Callable[[dict], str]] = {"fixture": _rebuild_fixture, "families": _rebuild_families,
+                                             "tree": _rebuild_tree}  # fmt: skip
+
+
+def ensure_images(rows: list[TaskRow]) -> None:
+    """Rebuild every missing image of sandbox rows from its recorded recipe (one log line each); a row
+    whose recipe cannot run stops here with the command that rebuilds its set."""
+    from envs import engine
+
+    done: set[str] = set()
+    for r in rows:
+        if r.env != "sandbox" or r.image in done:
+            continue
+        done.add(r.image)
+        if engine.image_exists(r.image):
+            continue
+        kind = r.image_recipe.get("kind")
+        if kind not in RECIPES:
+            raise TaskSetError(f"image {r.image} of task {r.id!r} is missing and the set records no recipe for it; "
+                               f"rebuild the set with `{r.image_recipe.get('command', 'flashpost-factory build')}`")
+        print(f"[flashpost] image {r.image} of task {r.id} is missing: rebuilding it from its recipe ({kind})")
+        RECIPES[kind](r.image_recipe)
+
+
+# ---------------------------------------------------------------------- sources
+def toy_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """A solving conversation of a toy task (ToyTask fields): every reply holds the target."""
+    t = task["target"]
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    for turn in range(task["n_turns"]):
+        msgs.append({"role": "assistant", "content": f"Here: {t}{t} {t}."})
+        if turn + 1 < task["n_turns"]:
+            msgs.append({"role": "tool", "content": f"observation {turn}: keep going"})
+    return msgs
+
+
+def toy_source(n: int = 8, n_turns: int = 2, seed: int = 0, heldout_share: float = HELDOUT_SHARE,
+               progress: bool = True) -> TaskSet:  # fmt: skip
+    from rl.rollout import toy_tasks
+
+    rows, demos = [], []
+    for t in toy_tasks(n, n_turns=n_turns):
+        rows.append(TaskRow(id=t.task_id, env="toy", source={"generator": "toy", "seed": seed}, family="toy",
+                            group=t.task_id, problem_statement=t.prompt, payload=vars(t)))  # fmt: skip
+        demos.append(Demo(id=f"{t.task_id}/gold", task_id=t.task_id, solver="gold", messages=toy_messages(vars(t))))
+    meta = {"sources": [{"generator": "toy", "n": n, "n_turns": n_turns}]}
+    return TaskSet(assign_splits(rows, heldout_share), demos, meta)
+
+
+def toy_set(n: int, n_turns: int, heldout_share: float = HELDOUT_SHARE) -> Path:
+    """A cached toy task set of n tasks (benches and tests that size their toy family; heldout_share 0:
+    every task trains)."""
+    from synth import taskset
+
+    out = cache_root() / f"toy-n{n}-t{n_turns}-h{heldout_share}-v{taskset.SCHEMA_VERSION}"
+    if not (out / taskset.META_FILE).exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        taskset.save(toy_source(n=n, n_turns=n_turns, heldout_share=heldout_share), out)
+    return out
+
+
+def _sandbox_row(task, **kw) -> TaskRow:
+    return TaskRow(id=task.task_id, repo=task.repo, base_revision=task.base_revision, image=task.image,
+                   image_digest=task.image_digest, problem_statement=task.problem_statement,
+                   test_command=task.test_command, test_parser=task.test_parser, f2p=task.f2p, p2p=task.p2p,
+                   gold_patch=task.gold_patch, test_files=task.test_files, test_patch=task.test_patch,
+                   verification=task.verification, **kw)  # fmt: skip
+
+
+def fixture_source(progress: bool = True) -> TaskSet:
+    from envs.fixtures.build import fixture_tasks
+
+    tasks = fixture_tasks(build=True)
+    rows = [_sandbox_row(t, env="sandbox", source={"generator": "fixtures", "seed": 0}, family="fixtures",
+                         group=t.task_id, image_recipe={"kind": "fixture", "task_id": t.task_id})
+            for t in tasks]  # fmt: skip
+    rows = assign_splits(rows, HELDOUT_SHARE)
+    demos = _demos(rows, {t.task_id: {"gold": t.gold_patch} for t in tasks}, progress)
+    return TaskSet(rows, demos, {"sources": [{"generator": "fixtures"}]})
+
+
+def _family_instances(n_a: int, n_b: int, seed: int):
+    from synth.families import make_instances
+
+    return make_instances("A", "train", n_a, seed) + make_instances("B", "train", n_b, seed)
+
+
+def families_source(n_a: int = 8, n_b: int = 4, seed: int = 0, progress: bool = True) -> TaskSet:
+    """Family A and B instances as tasks in one image; the group is the template (renamings of one
+    template are near-duplicates), so held-out tasks come from templates never trained on."""
+    from synth.families import family_tasks
+
+    instances = _family_instances(n_a, n_b, seed)
+    tasks = family_tasks(instances)
+    recipe = {"kind": "families", "n_a": n_a, "n_b": n_b, "seed": seed}
+    rows = [_sandbox_row(t, env="sandbox", source={"generator": "families", "seed": seed}, family=inst.family,
+                         group=f"template-{inst.template}", image_recipe=recipe)
+            for t, inst in zip(tasks, instances, strict=True)]  # fmt: skip
+    rows = assign_splits(rows, HELDOUT_SHARE)
+    gold = {t.task_id: {"gold": t.gold_patch} for t, inst in zip(tasks, instances) if inst.family == "A"}
+    return TaskSet(rows, _demos(rows, gold, progress), {"sources": [recipe | {"generator": "families"}]})
+
+
+def repo_source(out_dir: str | Path, progress: bool = True) -> TaskSet:
+    """The accepted tasks of factory run folder `out_dir`, with its funnel."""
+    from envs.task import Task
+    from synth.config import FactoryOptions
+    from synth.records import FeasibleRepo, RepoRecord, StageStore, TaskRecord
+    from synth.runner import stats
+
+    out = Path(out_dir).resolve()
+    opts = FactoryOptions.from_dict(json.loads((out / "options.json").read_text()))
+    command = f"flashpost-factory build --repo {opts.repo} --out {out} --budget {opts.task_budget} --seed {opts.seed}"
+    repos = StageStore(out, "ingest", RepoRecord).load()
+    feasible = StageStore(out, "feasibility", FeasibleRepo).load()
+    rows, patches = [], {}
+    for rec in sorted((r for r in StageStore(out, "inspect", TaskRecord).load().values() if r.ok), key=lambda r: r.key):
+        task = Task.from_dict(rec.task)
+        repo = repos.get(task.repo)
+        m = rec.mutation
+        group = f"{task.repo}:{m['path']}::{m.get('function') or m.get('lineno')}" if m else \
+            f"{task.repo}@{rec.origin.get('commit', task.task_id)}"  # fmt: skip
+        matrix = [x for row in rec.pass_matrix.values() for x in row]
+        recipe = {"kind": "tree", "image": task.image, "repo_path": rec.repo_path, "mutation": rec.mutation,
+                  "overrides": rec.overrides, "command": command}  # fmt: skip
+        fr = feasible.get(task.repo)
+        # a git source's commit; else the content hash of the tree (the pristine image's tag)
+        revision = (repo.head if repo else "") or (f"tree:{fr.image.rsplit('-', 1)[-1]}" if fr else "")
+        source = {"repo": fr.source if fr else task.repo, "revision": revision}
+        rows.append(_sandbox_row(task, env="sandbox", source=source, family=Path(source["repo"]).name or task.repo,
+                                 group=group, image_recipe=recipe,
+                                 difficulty=round(1.0 - sum(matrix) / len(matrix), 4) if matrix else 1.0))
+        patches[task.task_id] = dict(rec.solutions)
+    if not rows:
+        raise TaskSetError(f"factory run {out} accepted no task, so there is no task set to write; see "
+                           f"`flashpost-factory stats {out}` for the drop reasons and build with a larger --budget")
+    rows = assign_splits(rows, HELDOUT_SHARE)
+    meta = {"sources": [{"repo": opts.repo, "out_dir": str(out)}], "funnel": stats(out)["funnel"]}
+    return TaskSet(rows, _demos(rows, patches, progress), meta)
+
+
+SOURCES: dict[str, Callable[..., TaskSet]] = {"repo": repo_source, "families": families_source,
+                                              "fixtures": fixture_source, "toy": toy_source}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- named sets
+def named_sets() -> list[str]:
+    return sorted(p.stem for p in CONF_TASKS.glob("*.yaml"))
+
+
+def cache_root() -> Path:
+    import os
+
+    return Path(os.environ.get("FLASHPOST_CACHE", Path.home() / ".cache" / "flashpost")) / "tasksets"
+
+
+def resolve(spec: str, progress: bool = True) -> Path:
+    """A task-set folder for `spec`: a path to one, or the name of a shipped set (conf/tasksets/NAME.yaml:
+    `source` and its arguments), written to the cache on first use (keyed by the entry's content)."""
+    import yaml
+
+    from synth import taskset
+
+    path = Path(spec)
+    if (path / taskset.META_FILE).exists() or "/" in spec or path.exists():
+        return path
+    entry = CONF_TASKS / f"{spec}.yaml"
+    if not entry.exists():
+        raise TaskSetError(f"tasks={spec!r} is neither a task-set folder nor a shipped set; shipped: {named_sets()} "
+                           "(conf/tasksets/), or write one with `flashpost-factory build --out DIR` and pass "
+                           "tasks=DIR/taskset")
+    doc = yaml.safe_load(entry.read_text())
+    key = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_root() / f"{spec}-{key}"
+    if not (out / taskset.META_FILE).exists():
+        args = {k: v for k, v in doc.items() if k != "source"}
+        print(f"[flashpost] writing shipped task set {spec!r} (source {doc['source']}) to {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        taskset.save(SOURCES[doc["source"]](progress=progress, **args), out)
+    return out

@@ -1,0 +1,46 @@
+"""flashpost-eval without containers: the unbiased pass@k estimator, the toy set's held-out split
+through in-process episodes (JSON + markdown), and bad input stopped with a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl.evaluate import markdown, pass_at_k
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(2, 1, 5) == 1.0  # k > n: any of the n passed
+
+
+def _eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", FLASHPOST_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "rl.evaluate", *args, f"out_dir={tmp_path / 'out'}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_eval_reports_the_toy_heldout_split(tmp_path):
+    p = _eval(tmp_path, "tasks=toy", "model=debug", "+model.overrides={vocab_size: 4096, "
+              "engram_compressed_vocab_size: 2742, max_seq_len: 256}", "+rollout.max_new_tokens=6", "samples=2", "k=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert report["split"] == "heldout" and report["overall"]["tasks"] == 2  # 8 toy tasks, a quarter held out
+    assert all(t["samples"] == 2 and t["infra_failed"] == 0 for t in report["per_task"])
+    assert (tmp_path / "out" / "eval.md").read_text() == markdown(report)
+    assert "eval heldout" in p.stderr  # the progress bar
+
+
+def test_bad_task_set_input_is_one_line_naming_the_fix(tmp_path):
+    p = _eval(tmp_path, f"tasks={tmp_path / 'nothing'}")
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "no task set at" in p.stderr and "flashpost-factory build" in p.stderr
