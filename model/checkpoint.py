@@ -164,6 +164,13 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, name: str = "we
     return values * grid
 
 
+def _grid_fits(shape: tuple[int, ...], grid: tuple[int, ...]) -> bool:
+    """Whether a scale of shape `grid` tiles a weight of `shape` with one of `_block`'s block sizes."""
+    if len(shape) != 2 or len(grid) != 2:
+        return False
+    return all(any(-(-n // b) == g for b in (1, 16, 32, 64, 128)) for n, g in zip(shape, grid, strict=True))
+
+
 def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
@@ -293,6 +300,9 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                 # raw bytes hold two FP4 values each; safetensors' F4 header already counts values
                 if dtype in (torch.uint8, torch.int8):
                     shape = (*shape[:-1], shape[-1] * 2)
+                grid = reader.shape(*index[scale])
+                if not _grid_fits(shape, grid):
+                    mismatched.append(f"{scale}: {list(grid)} is no block grid of {name} {list(shape)}")
             elif quant:
                 quantised.append(f"{name}: {dtype} into {target.dtype} and no {scale} in the checkpoint")
             if shape != tuple(target.shape):
