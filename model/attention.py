@@ -1,6 +1,8 @@
 """V4.1 sparse attention: a sliding window of raw KV plus top-k compressed KV, one shared KV head.
 
-Holds the torch reference `sparse_attn_ref` (§3.9), the per-call layout of what each query may see
+Holds the torch reference `sparse_attn_ref` (§3.9), the released kernel's blocked bf16-probability
+arithmetic and index-list layout for numerics="reference" (`sparse_attn_blocked_ref`,
+`reference_window_idxs`), the per-call layout of what each query may see
 (window, compressed groups, document boundaries), the explicit per-call sharing state of
 Full/Reindex/Reuse layers, the per-layer incremental cache and the `Attention` module (§3.4).
 No module globals: everything a layer shares with later layers travels in `SharedAttnState`.

@@ -1,7 +1,8 @@
 """The V4.1 lightning indexer: picks, per query, the compressed KV entries the attention reads.
 
-Holds the deterministic top-k (`topk_indices`, the one tie rule used everywhere), the torch
-reference of the scores (`index_scores_ref`; kernels/indexer.py is the Triton one), the first level
+Holds the deterministic top-k (`topk_indices`, the one tie rule of the default numerics), the torch
+reference of the scores (`index_scores_ref`; kernels/indexer.py is the Triton one), the released
+code's bf16 scores and torch.topk picks (numerics="reference"), the first level
 of hierarchical indexing (`select_candidate_blocks`) and the `Indexer` module (model_reference
 §3.6-3.7). It does not build compressed KV (compressor.py) nor attend (attention.py); which
 queries may see which groups comes in as a mask from the caller's layout.
@@ -158,6 +159,8 @@ class Indexer(nn.Module):
     construction: `index_scores_ref`, or the Triton `kernels.indexer.index_scores` (same contract,
     no [B,S,I,G] buffer). With impl="triton" a Reindex layer at inference scores only its candidate
     pool (`kernels.indexer.index_scores_restricted`): no [B,S,G] score matrix at all.
+    numerics="reference" (either impl) scores densely in bf16 (`index_scores_bf16_ref`) and picks with
+    `torch.topk` as the released code does (`_reference_topk`, `torch_topk` for candidate blocks).
     """
 
     def __init__(self, args: ModelArgs, layer_id: int):
