@@ -145,7 +145,7 @@ def sparse_attn_blocked_ref(
     to bf16 before P·V while the denominator sums them in fp32; the sink joins the denominator at
     the end; output in q's dtype. Unlike the fp32 reference the result depends on where each index
     sits in `idxs` (block boundaries, summation order): lay the list out as the released code does
-    (`reference_window_idxs`, the indexer's reference picks). Inference only (no custom backward).
+    (`reference_window_idxs`, the indexer's reference picks). Autograd differentiates it as written.
     """
     B, M, H, Dh = q.shape
     qf, kvf = q.float(), kv.float()
