@@ -30,8 +30,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     Among equal scores the NEWER (larger) position wins. After the indexer's ReLU many scores are
     exactly 0, so ties at the cut are common and `torch.topk`'s device-dependent order would change
     which entries are attended (DESIGN.md §2). The rule is implemented once, here, as a stable
-    descending sort of the position-reversed scores; every path (indexer, candidate blocks, tests,
-    the Triton engine) must use it. `-inf` entries sort last and are returned like any other pick.
+    descending sort of the position-reversed scores; every path of the default numerics (indexer,
+    candidate blocks, tests, the Triton engine) must use it; numerics="reference" calls torch.topk.
+    `-inf` entries sort last and are returned like any other pick.
     Returns (values, indices), both [..., min(k, n)], in descending score order.
     """
     n = scores.size(-1)
