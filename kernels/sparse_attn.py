@@ -38,6 +38,7 @@ __all__ = [
     "PACKED_CONFIG",
     "PACKED_FUSED_CONFIG",
     "TRAIN_CONFIG",
+    "REFERENCE_CONFIG",
     "BWD_CONFIG",
 ]
 
@@ -100,6 +101,8 @@ PACKED_CONFIG = {**DECODE_CONFIG, "STAGE": True}
 PACKED_FUSED_CONFIG = {"BH": 64, "BK": 16, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": "auto",
                        "STAGE": False}  # fmt: skip
 TRAIN_CONFIG = {"BH": 64, "BK": 64, "BDK": "full", "DV": 512, "num_warps": 8, "num_stages": 1, "SPLIT": 1}
+# numerics="reference": the released tilelang kernel's index block (64) and one program per row
+REFERENCE_CONFIG = TRAIN_CONFIG
 DEFAULT_CONFIG = TRAIN_CONFIG  # base that a partial `config` argument overrides
 _FALLBACKS = (
     {"BH": 64, "BK": 64, "BDK": 64, "DV": 256, "num_warps": 8, "num_stages": 1, "SPLIT": 1},
@@ -523,9 +526,9 @@ class _SparseAttn(torch.autograd.Function):
     probabilities (the torch reference's), not the bf16-rounded P the forward multiplies V with."""
 
     @staticmethod
-    def forward(ctx, q, kv, attn_sink, idxs, scale):
+    def forward(ctx, q, kv, attn_sink, idxs, scale, config=None):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        o = sparse_attn_fwd(q, kv, attn_sink, idxs, scale, lse=lse)
+        o = sparse_attn_fwd(q, kv, attn_sink, idxs, scale, config=config, lse=lse)
         ctx.save_for_backward(q, kv, attn_sink, idxs, o, lse)
         ctx.scale = scale
         return o
@@ -534,7 +537,7 @@ class _SparseAttn(torch.autograd.Function):
     def backward(ctx, g_o):
         q, kv, attn_sink, idxs, o, lse = ctx.saved_tensors
         dq, dkv, dsink = sparse_attn_bwd(q, kv, attn_sink, idxs, ctx.scale, o, lse, g_o)
-        return dq, dkv, dsink, None, None
+        return dq, dkv, dsink, None, None, None
 
 
 def sparse_attn(
@@ -544,14 +547,19 @@ def sparse_attn(
     idxs: torch.Tensor,
     scale: float,
     ckv: torch.Tensor | None = None,
+    *,
+    reference: bool = False,
 ) -> torch.Tensor:
     """Drop-in for `sparse_attn_ref` (same signature and contract), Triton forward and backward.
     Without autograd (the inference engine) it calls the forward alone, which lets decode-sized
     calls take the decode kernel (the autograd forward must also write the lse the backward reads).
-    `ckv`: packed main-KV entries that indices >= kv.size(1) read (`sparse_attn_fwd`), forward only."""
+    `ckv`: packed main-KV entries that indices >= kv.size(1) read (`sparse_attn_fwd`), forward only.
+    `reference` (numerics="reference"): REFERENCE_CONFIG's tiles whatever the call's size, so the
+    running max moves in the released kernel's blocks of 64 indices of the caller's list."""
     args = (q.contiguous(), kv.contiguous(), attn_sink.float().contiguous(), idxs.contiguous(), float(scale))
+    config = REFERENCE_CONFIG if reference else None
     if ckv is not None:
-        return sparse_attn_fwd(*args, ckv=ckv)
+        return sparse_attn_fwd(*args, config=config, ckv=ckv)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, attn_sink)):
-        return _SparseAttn.apply(*args)
-    return sparse_attn_fwd(*args)
+        return _SparseAttn.apply(*args, config)
+    return sparse_attn_fwd(*args, config=config)

@@ -1,6 +1,8 @@
 """V4.1 sparse attention: a sliding window of raw KV plus top-k compressed KV, one shared KV head.
 
-Holds the torch reference `sparse_attn_ref` (§3.9), the per-call layout of what each query may see
+Holds the torch reference `sparse_attn_ref` (§3.9), the released kernel's blocked bf16-probability
+arithmetic and index-list layout for numerics="reference" (`sparse_attn_blocked_ref`,
+`reference_window_idxs`), the per-call layout of what each query may see
 (window, compressed groups, document boundaries), the explicit per-call sharing state of
 Full/Reindex/Reuse layers, the per-layer incremental cache and the `Attention` module (§3.4).
 No module globals: everything a layer shares with later layers travels in `SharedAttnState`.
@@ -125,6 +127,63 @@ def windowed_sparse_attn(
         o_BSHD = o_BSHD + torch.einsum("bshk,bskd->bshd", p_comp, kv_BSKD)
         p_comp = p_comp[:, :S]
     return o_BSHD[:, :S].to(q.dtype), p_comp
+
+
+# ---------------------------------------------------------------------------- reference numerics
+# numerics="reference" (ModelArgs): the released inference code's arithmetic, for log-probs that
+# match an engine serving it. Its kernel runs an online softmax over blocks of this many indices.
+REFERENCE_ATTN_BLOCK = 64
+
+
+def sparse_attn_blocked_ref(
+    q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idxs: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`sparse_attn_ref` computed as the released kernel computes it (numerics="reference").
+
+    Online softmax over consecutive blocks of REFERENCE_ATTN_BLOCK indices in list order, running
+    max initialised at -1e30; each block's probabilities (relative to the running max) are rounded
+    to bf16 before P·V while the denominator sums them in fp32; the sink joins the denominator at
+    the end; output in q's dtype. Unlike the fp32 reference the result depends on where each index
+    sits in `idxs` (block boundaries, summation order): lay the list out as the released code does
+    (`reference_window_idxs`, the indexer's reference picks). Autograd differentiates it as written.
+    """
+    B, M, H, Dh = q.shape
+    qf, kvf = q.float(), kv.float()
+    acc_BMHD = torch.zeros(B, M, H, Dh, dtype=torch.float32, device=q.device)
+    sum_BMH = torch.zeros(B, M, H, dtype=torch.float32, device=q.device)
+    max_BMH = torch.full((B, M, H), -1e30, dtype=torch.float32, device=q.device)
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)
+    rows_B11 = torch.arange(B, device=q.device).view(B, 1, 1)
+    for t in range(0, idxs.size(-1), REFERENCE_ATTN_BLOCK):
+        blk_BMK = idxs[:, :, t : t + REFERENCE_ATTN_BLOCK].long()
+        valid_BMK = blk_BMK != -1
+        kv_BMKD = kvf[rows_B11, blk_BMK.clamp_min(0)] * valid_BMK.unsqueeze(-1)
+        s_BMHK = torch.einsum("bmhd,bmkd->bmhk", qf, kv_BMKD)
+        s_BMHK = torch.where(valid_BMK.unsqueeze(2), s_BMHK, -torch.inf) * scale_t
+        prev_BMH = max_BMH
+        max_BMH = torch.maximum(prev_BMH, s_BMHK.amax(dim=-1))
+        rescale_BMH = torch.exp(prev_BMH - max_BMH)
+        p_BMHK = torch.exp(s_BMHK - max_BMH.unsqueeze(-1))
+        sum_BMH = sum_BMH * rescale_BMH + p_BMHK.sum(dim=-1)
+        p_bf16 = p_BMHK.to(torch.bfloat16).float()
+        acc_BMHD = acc_BMHD * rescale_BMH.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p_bf16, kv_BMKD)
+    sum_BMH = sum_BMH + torch.exp(attn_sink.float() - max_BMH)
+    return (acc_BMHD / sum_BMH.unsqueeze(-1)).to(q.dtype)
+
+
+def reference_window_idxs(win_idxs: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """The window part of the released code's index list, from flashpost's `win_idxs` [B,S,W].
+
+    Its decode step (S = 1 after the prompt) lists the ring oldest first with unfilled slots (-1)
+    first: flashpost's order. Its prefill (queries from position 0) lists each query's valid rows
+    first, then -1, min(S, W) wide. A call whose rows all start at position 0 (a prefill, a packed
+    teacher-forced row) gets the prefill layout; any other call keeps `win_idxs` unchanged.
+    """
+    if q_pos.size(1) == 0 or not bool((q_pos[:, 0] == 0).all()):
+        return win_idxs
+    # the valid rows of a query are a contiguous suffix: a stable sort moves them to the front
+    order = torch.argsort((win_idxs < 0).to(torch.int8), dim=-1, stable=True)
+    return win_idxs.gather(-1, order)[..., : min(win_idxs.size(-1), win_idxs.size(1))]
 
 
 def window_topk_idxs(q_abs_BS: torch.Tensor, doc_start_BS: torch.Tensor, window: int, base: int = 0) -> torch.Tensor:
@@ -443,6 +502,7 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, layer_id) if args.is_kv_source(layer_id) else None
         self.indexer = Indexer(args, layer_id) if args.is_index_source(layer_id) else None
         self.sparse_attn = sparse_attn_ref
+        self.numerics = args.numerics
         if args.impl == "triton":
             from kernels.sparse_attn import sparse_attn  # chosen at construction (STYLE rule 13)
 
@@ -472,7 +532,9 @@ class Attention(nn.Module):
             raise ValueError("a packed LayerCache is inference storage: run without gradients or indexer loss")
         if ckv_BGD is not None and not packed:
             ckv_BGD = ckv_BGD.to(kv_BTD.dtype)
-        if self.sparse_attn is sparse_attn_ref:
+        if self.numerics == "reference":
+            o_BSHD, p_comp = self._attend_reference(q_BSHD, kv_BTD, ckv_BGD, cidx_BSK, lay, packed, ctx.indexer_loss)
+        elif self.sparse_attn is sparse_attn_ref:
             o_BSHD, p_comp = windowed_sparse_attn(
                 q_BSHD, kv_BTD, lay.win_lo, lay.win_idxs, self.attn_sink, self.softmax_scale,
                 ckv_BGD, cidx_BSK,
@@ -501,6 +563,30 @@ class Attention(nn.Module):
         wo_a_GRE = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o_BSGR = torch.einsum("bsge,gre->bsgr", o_BSGE, wo_a_GRE)
         return self.wo_b(o_BSGR.flatten(2))
+
+    def _attend_reference(self, q_BSHD, kv_BTD, ckv_BGD, cidx_BSK, lay: AttnLayout, packed: bool, want_probs: bool):
+        """numerics="reference": one index list laid out as the released code's (window part, then
+        the indexer's picks shifted past the window rows) through its kernel arithmetic: the torch
+        `sparse_attn_blocked_ref` or the Triton kernel (which computes the same way). Returns
+        (o [B,S,H,Dh], compressed-entry probabilities for the indexer loss or None)."""
+        idxs_BSK = reference_window_idxs(lay.win_idxs, lay.q_pos)
+        n_win, T = idxs_BSK.size(-1), kv_BTD.size(1)
+        if ckv_BGD is not None:
+            idxs_BSK = torch.cat([idxs_BSK, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
+        args = (self.attn_sink, idxs_BSK, self.softmax_scale)
+        if packed:  # Triton over a packed cache: rows past the window come from the packed bank
+            return self.sparse_attn(q_BSHD, kv_BTD, *args, ckv=ckv_BGD, reference=True), None
+        kv_all = kv_BTD if ckv_BGD is None else torch.cat([kv_BTD, ckv_BGD], dim=1)
+        if self.sparse_attn is sparse_attn_ref:
+            o_BSHD = sparse_attn_blocked_ref(q_BSHD, kv_all, *args)
+        else:
+            o_BSHD = self.sparse_attn(q_BSHD, kv_all, *args, reference=True)
+        p_comp = None
+        if want_probs and ckv_BGD is not None:
+            with torch.no_grad():
+                probs = sparse_attn_probs_ref(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
+            p_comp = probs[..., n_win:]
+        return o_BSHD, p_comp
 
     def _compress(self, x_BSD: torch.Tensor, gl: GroupLayout, cache: LayerCache | None) -> torch.Tensor:
         """New latents [B,N,Dh]; carries the incomplete group's tokens in and out of `cache`."""

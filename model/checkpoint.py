@@ -32,7 +32,9 @@ _QUANTISED = {
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float4_e2m1fn_x2")
     if hasattr(torch, n)
 }
-_HF_DROP = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")  # the drafter shares the backbone's
+# The drafter's embedding and head ARE the backbone's (the reference ties them by module
+# assignment, so its state_dict lists each twice); convert.py drops the copies.
+_HF_DROP = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 _HF_COMPONENTS = {
     "self_attn": "attn",
     "mlp": "ffn",
@@ -162,6 +164,13 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, name: str = "we
     return values * grid
 
 
+def _grid_fits(shape: tuple[int, ...], grid: tuple[int, ...]) -> bool:
+    """Whether a scale of shape `grid` tiles a weight of `shape` with one of `_block`'s block sizes."""
+    if len(shape) != 2 or len(grid) != 2:
+        return False
+    return all(any(-(-n // b) == g for b in (1, 16, 32, 64, 128)) for n, g in zip(shape, grid, strict=True))
+
+
 def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
@@ -224,6 +233,29 @@ def _listing(title: str, items: list[str], limit: int = 20) -> str:
     return f"  {title} ({len(items)}):\n    {shown}{more}"
 
 
+def _tied_copies(
+    index: Mapping[str, tuple[Path, str]], targets: Mapping[str, torch.Tensor], reader: _Reader
+) -> tuple[dict[str, str], list[str]]:
+    """The drafter's copies `mtp.{k}.embed.weight` / `mtp.{k}.head.weight` of a reference state_dict
+    that the model shares instead of holding: {copy: backbone name}, and the copies that are not
+    bit-equal to the backbone tensor (a checkpoint whose drafter is not tied cannot load into it)."""
+    shared, problems = {}, []
+    for name in sorted(index):
+        if name in targets or not _HF_DROP.match(name):
+            continue
+        canonical = name.split(".", 2)[2]  # mtp.{k}.embed.weight -> embed.weight
+        if canonical not in index:
+            problems.append(f"{name}: its backbone tensor {canonical} is not in the checkpoint")
+            continue
+        copy, base = reader.tensor(*index[name]), reader.tensor(*index[canonical])
+        if copy.shape != base.shape or not torch.equal(copy.float(), base.float()):
+            diff = (copy.float() - base.float()).abs().max().item() if copy.shape == base.shape else "shape"
+            problems.append(f"{name}: differs from {canonical} (max |diff| {diff}); the drafter shares it")
+            continue
+        shared[name] = canonical
+    return shared, problems
+
+
 def _tied_names(targets: Mapping[str, torch.Tensor]) -> set[str]:
     """Names whose memory is another (earlier) name's: they get filled through it."""
     owner: set[tuple] = set()
@@ -243,7 +275,9 @@ def _tied_names(targets: Mapping[str, torch.Tensor]) -> set[str]:
 def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
     """Copy tensors from a file or a directory of `.safetensors` into `model` in place.
 
-    HF names are recognised and converted. Missing and unexpected tensors raise when `strict`;
+    HF names are recognised and converted. A reference `state_dict()` loads as saved: its drafter
+    copies `mtp.{k}.embed.weight` / `mtp.{k}.head.weight` are checked bit-equal to `embed.weight` /
+    `head.weight` and then shared, as the model holds them once. Missing and unexpected tensors raise when `strict`;
     shape mismatches always raise. A quantised (FP8/FP4) tensor aimed at a bf16/fp32 parameter is
     dequantised with its `.scale` from the checkpoint, and raises if there is none. Other tensors
     are cast to the parameter's dtype (bit-exact when the dtypes agree).
@@ -266,11 +300,17 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                 # raw bytes hold two FP4 values each; safetensors' F4 header already counts values
                 if dtype in (torch.uint8, torch.int8):
                     shape = (*shape[:-1], shape[-1] * 2)
+                grid = reader.shape(*index[scale])
+                if not _grid_fits(shape, grid):
+                    mismatched.append(f"{scale}: {list(grid)} is no block grid of {name} {list(shape)}")
             elif quant:
                 quantised.append(f"{name}: {dtype} into {target.dtype} and no {scale} in the checkpoint")
             if shape != tuple(target.shape):
                 mismatched.append(f"{name}: checkpoint {list(shape)} vs model {list(target.shape)}")
-        unexpected = sorted(n for n in index if n not in targets and n not in dequant.values())
+        shared, untied_copies = _tied_copies(index, targets, reader)
+        unexpected = sorted(
+            n for n in index if n not in targets and n not in dequant.values() and n not in shared
+        )
         problems = []
         if strict and missing:
             problems.append(_listing("missing from checkpoint", missing))
@@ -280,6 +320,8 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool =
             problems.append(_listing("shape mismatch", mismatched))
         if quantised:
             problems.append(_listing("quantised tensors without a scale", quantised))
+        if untied_copies:
+            problems.append(_listing("drafter copies that are not the backbone's", untied_copies))
         if problems:
             raise ValueError(f"cannot load {path} into {type(model).__name__}:\n" + "\n".join(problems))
         loaded = sorted(set(index) & set(targets))

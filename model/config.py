@@ -1,7 +1,7 @@
 """ModelArgs: the one config of the V4.1 architecture, its layer roles, named flavors and loaders.
 
 Field names and defaults are the official `inference/model.py` ones (model_reference §1.4), so a
-released `config.json` maps onto them key for key; flashpost adds only `qat` and `impl`. This file
+released `config.json` maps onto them key for key; flashpost adds only `qat`, `impl` and `numerics`. This file
 holds choices and the arithmetic that derives layer roles from them; it builds no modules and
 reads no weights (that is `model/transformer.py` and `model/checkpoint.py`).
 """
@@ -24,7 +24,7 @@ QUANT_BLOCK = 32
 
 @dataclass(kw_only=True)
 class ModelArgs:
-    """Official ModelArgs fields (model_reference §1.4 defaults) plus flashpost's `qat` and `impl`.
+    """Official ModelArgs fields (model_reference §1.4 defaults) plus flashpost's `qat`, `impl`, `numerics`.
 
     Layer indices 0..n_layers-1 are the backbone; n_layers..n_layers+n_mtp_layers-1 are the DSpark
     stages `mtp.0..`, which is why `compress_ratios` has n_layers + n_mtp_layers entries.
@@ -111,6 +111,11 @@ class ModelArgs:
     # flashpost: fake-quant of KV / indexer q,k in training (off only for ablations), kernel choice
     qat: bool = True
     impl: Literal["torch", "triton"] = "torch"
+    # "flashpost": fp32 attention probabilities and indexer scores, deterministic newer-wins top-k
+    # ties (DESIGN §2). "reference": the released inference code's arithmetic where it differs
+    # (bf16 probabilities before P·V in blocks of 64, bf16 indexer scores, torch.topk picks, its
+    # index-list layout), so log-probs match an engine serving that code (docs/reference_parity.md).
+    numerics: Literal["flashpost", "reference"] = "flashpost"
 
     def __post_init__(self) -> None:
         for f in fields(self):  # JSON and YAML give lists; the config is hashable and immutable-ish
@@ -327,6 +332,9 @@ def _validate(a: ModelArgs) -> None:
     _require(a.dtype in ("fp8", "bf16"), f"dtype={a.dtype!r} must be 'fp8' or 'bf16'")
     _require(a.expert_dtype in ("fp4", "fp8", None), f"expert_dtype={a.expert_dtype!r}: 'fp4', 'fp8' or None")
     _require(a.impl in ("torch", "triton"), f"impl={a.impl!r} must be 'torch' or 'triton'")
+    _require(
+        a.numerics in ("flashpost", "reference"), f"numerics={a.numerics!r} must be 'flashpost' or 'reference'"
+    )
     _validate_engram(a)
     _validate_dspark(a)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import Attention, window_topk_idxs, windowed_sparse_attn
+from model.attention import Attention, sparse_attn_blocked_ref, window_topk_idxs, windowed_sparse_attn
 from model.config import ModelArgs
 from model.mhc import hc_pre, identity_pre_mix
 from model.moe import RouterStats
@@ -127,13 +127,22 @@ class DSparkStage(Block):
         return fp8_fake_quant(kv) if self.qat else kv
 
     def attend(
-        self, x_BND: torch.Tensor, ctx_kv: torch.Tensor, freqs_BNr: torch.Tensor, win_lo: int, win_idxs: torch.Tensor
+        self,
+        x_BND: torch.Tensor,
+        ctx_kv: torch.Tensor,
+        freqs_BNr: torch.Tensor,
+        win_lo: int,
+        win_idxs: torch.Tensor,
+        ref_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x = attn_norm output of N = S·K block rows [B,N,D] -> [B,N,D].
 
         Query (s, i) sees the context rows win_lo + s + (0..W-1) of `ctx_kv` [B,T,Dh] that are valid in
         win_idxs [B,S,W], and the K rows of its own block. The K rows of a block share one window, so
-        they run as K·H heads of one query: one windowed attention serves training and decoding."""
+        they run as K·H heads of one query: one windowed attention serves training and decoding.
+        `ref_rows` [n] (numerics="reference", one decode step): the context rows in the released
+        code's order (its ring slots); each block row then attends [those rows ; the K block rows]
+        through `sparse_attn_blocked_ref`, as its forward_spec."""
         attn: Attention = self.attn
         B, N, _ = x_BND.shape
         S, K = win_idxs.size(1), N // win_idxs.size(1)
@@ -142,11 +151,17 @@ class DSparkStage(Block):
         kv_BND = apply_rotary_emb(attn.kv_norm(attn.wkv(x_BND)), freqs_BNr)
         if self.qat:
             kv_BND = fp8_fake_quant(kv_BND)
-        blk_BSK = (torch.arange(S, device=x_BND.device)[:, None] * K + torch.arange(K, device=x_BND.device))
-        o, _ = windowed_sparse_attn(
-            q_BNHD.reshape(B, S, K * H, Dh), ctx_kv, win_lo, win_idxs, attn.attn_sink.repeat(K),
-            attn.softmax_scale, kv_BND, blk_BSK.expand(B, S, K),
-        )  # fmt: skip
+        if ref_rows is not None:
+            T = ctx_kv.size(1)
+            idxs = torch.cat([ref_rows, T + torch.arange(N, device=x_BND.device)]).expand(B, N, -1)
+            kv_all = torch.cat([ctx_kv.to(kv_BND.dtype), kv_BND], dim=1)
+            o = sparse_attn_blocked_ref(q_BNHD, kv_all, attn.attn_sink, idxs, attn.softmax_scale)
+        else:
+            blk_BSK = torch.arange(S, device=x_BND.device)[:, None] * K + torch.arange(K, device=x_BND.device)
+            o, _ = windowed_sparse_attn(
+                q_BNHD.reshape(B, S, K * H, Dh), ctx_kv, win_lo, win_idxs, attn.attn_sink.repeat(K),
+                attn.softmax_scale, kv_BND, blk_BSK.expand(B, S, K),
+            )  # fmt: skip
         o_BNHD = apply_rotary_emb(o.reshape(B, N, H, Dh), freqs_BNr, inverse=True)
         o_BNGE = o_BNHD.reshape(B, N, attn.n_groups, -1)
         wo_a_GRE = attn.wo_a.weight.view(attn.n_groups, attn.o_lora_rank, -1)
@@ -300,9 +315,14 @@ class DSpark(nn.ModuleList):
         rows = T - W + torch.arange(W, device=dev)  # the newest W context rows
         win_idxs = torch.where(rows >= 0, rows, -1).expand(B, 1, W)
         freqs = rope_table[p : p + K]
+        ref_rows = None
+        if self.args.numerics == "reference":
+            # the released code lists its context ring by slot (position % W), not oldest first
+            pos = torch.arange(max(0, p - W), p, device=dev)
+            ref_rows = pos[torch.argsort(pos % W, stable=True)] - (p - T)
         x_BND, _ = self._run(
             self._block_rows(anchor_ids[:, None], embed_weight),
-            lambda st: (ctx[st.stage_id], freqs, T - W, win_idxs),
+            lambda st: (ctx[st.stage_id], freqs, T - W, win_idxs, ref_rows),
         )
         x_BkD = x_BND[:, :k]
         base_BkV = self._head(x_BkD, head_weight)

@@ -1,7 +1,8 @@
 """The V4.1 lightning indexer: picks, per query, the compressed KV entries the attention reads.
 
-Holds the deterministic top-k (`topk_indices`, the one tie rule used everywhere), the torch
-reference of the scores (`index_scores_ref`; kernels/indexer.py is the Triton one), the first level
+Holds the deterministic top-k (`topk_indices`, the one tie rule of the default numerics), the torch
+reference of the scores (`index_scores_ref`; kernels/indexer.py is the Triton one), the released
+code's bf16 scores and torch.topk picks (numerics="reference"), the first level
 of hierarchical indexing (`select_candidate_blocks`) and the `Indexer` module (model_reference
 §3.6-3.7). It does not build compressed KV (compressor.py) nor attend (attention.py); which
 queries may see which groups comes in as a mask from the caller's layout.
@@ -29,8 +30,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     Among equal scores the NEWER (larger) position wins. After the indexer's ReLU many scores are
     exactly 0, so ties at the cut are common and `torch.topk`'s device-dependent order would change
     which entries are attended (DESIGN.md §2). The rule is implemented once, here, as a stable
-    descending sort of the position-reversed scores; every path (indexer, candidate blocks, tests,
-    the Triton engine) must use it. `-inf` entries sort last and are returned like any other pick.
+    descending sort of the position-reversed scores; every path of the default numerics (indexer,
+    candidate blocks, tests, the Triton engine) must use it; numerics="reference" calls torch.topk.
+    `-inf` entries sort last and are returned like any other pick.
     Returns (values, indices), both [..., min(k, n)], in descending score order.
     """
     n = scores.size(-1)
@@ -51,7 +53,26 @@ def index_scores_ref(
     return score_BSG if visible_BSG is None else score_BSG.masked_fill(~visible_BSG, -torch.inf)
 
 
-def top_candidate_blocks(bscore_BSNB: torch.Tensor, pinned_BS: torch.Tensor, topk_blocks: int) -> torch.Tensor:
+def index_scores_bf16_ref(
+    q_BSID: torch.Tensor, k_BGD: torch.Tensor, w_BSI: torch.Tensor, visible_BSG: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`index_scores_ref` in the released code's arithmetic (numerics="reference"): the q·k GEMM,
+    ReLU, head weighting and head sum all in the inputs' dtype (bf16), -inf where not visible.
+    w [B,S,I] is `weights_proj(x)·scale` in that dtype too. Returns [B,S,G] in q's dtype."""
+    dots_BSIG = torch.einsum("bsid,bgd->bsig", q_BSID, k_BGD)
+    score_BSG = (dots_BSIG.relu() * w_BSI.unsqueeze(-1)).sum(dim=2)
+    return score_BSG if visible_BSG is None else score_BSG.masked_fill(~visible_BSG, -torch.inf)
+
+
+def torch_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk` (sorted), whose order among ties is the implementation's: the released code's
+    candidate-block pick (numerics="reference"); same contract as `topk_indices`."""
+    return scores.topk(min(k, scores.size(-1)), dim=-1)
+
+
+def top_candidate_blocks(
+    bscore_BSNB: torch.Tensor, pinned_BS: torch.Tensor, topk_blocks: int, topk=topk_indices
+) -> torch.Tensor:
     """The kept candidate blocks [B,S,C] (C = min(topk_blocks, NB)) in ascending order, -1 first.
 
     Block `pinned_BS` (-1 = none) scores +inf; of the top `topk_blocks` (ties: newer block wins),
@@ -60,7 +81,7 @@ def top_candidate_blocks(bscore_BSNB: torch.Tensor, pinned_BS: torch.Tensor, top
     """
     n_blocks = bscore_BSNB.size(-1)
     pin_BSNB = (torch.arange(n_blocks, device=bscore_BSNB.device) == pinned_BS[..., None]) & (pinned_BS[..., None] >= 0)
-    top_vals, top_idx = topk_indices(bscore_BSNB.masked_fill(pin_BSNB, torch.inf), topk_blocks)
+    top_vals, top_idx = topk(bscore_BSNB.masked_fill(pin_BSNB, torch.inf), topk_blocks)
     return torch.where(top_vals > -torch.inf, top_idx, -1).sort(dim=-1).values
 
 
@@ -70,6 +91,7 @@ def candidate_block_ids(
     n_blocks: int,
     newest_BS: torch.Tensor,
     topk_blocks: int,
+    topk=topk_indices,
 ) -> torch.Tensor:
     """Level one of hierarchical indexing (§3.7): the kept candidate blocks [B,S,C], ascending, -1 first.
 
@@ -78,14 +100,15 @@ def candidate_block_ids(
     partly filled and would otherwise lose to older full blocks. Of the top `topk_blocks` blocks
     (ties: newer block wins), those scoring -inf are dropped (-1). Blocks are given per group by
     `block_id_BG` rather than by position // block_size, so that in packed batches blocks restart
-    at every document, exactly as when the document runs alone.
+    at every document, exactly as when the document runs alone. `topk`: the tie rule
+    (`topk_indices`, or `torch_topk` under numerics="reference").
     """
     B, S, G = scores_BSG.shape
     blk_BSG = block_id_BG[:, None, :].expand(B, S, G)
     bscore_BSNB = scores_BSG.new_full((B, S, n_blocks), -torch.inf)
     bscore_BSNB = bscore_BSNB.scatter_reduce(-1, blk_BSG, scores_BSG, reduce="amax", include_self=True)
     pinned_BS = torch.where(newest_BS >= 0, block_id_BG.gather(1, newest_BS.clamp(min=0)), -1)
-    return top_candidate_blocks(bscore_BSNB, pinned_BS, topk_blocks)
+    return top_candidate_blocks(bscore_BSNB, pinned_BS, topk_blocks, topk)
 
 
 def candidate_mask(blk_BSC: torch.Tensor, block_id_BG: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -137,6 +160,8 @@ class Indexer(nn.Module):
     construction: `index_scores_ref`, or the Triton `kernels.indexer.index_scores` (same contract,
     no [B,S,I,G] buffer). With impl="triton" a Reindex layer at inference scores only its candidate
     pool (`kernels.indexer.index_scores_restricted`): no [B,S,G] score matrix at all.
+    numerics="reference" (either impl) scores densely in bf16 (`index_scores_bf16_ref`) and picks with
+    `torch.topk` as the released code does (`_reference_topk`, `torch_topk` for candidate blocks).
     """
 
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -160,7 +185,12 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         self.index_scores = index_scores_ref
         self.index_scores_restricted = None  # Reindex layers with impl="triton" only
-        if args.impl == "triton":
+        self.numerics = args.numerics
+        if args.numerics == "reference":
+            # bf16 scores and torch.topk picks over the dense [B,S,G] scores, on either impl: the
+            # released code's arithmetic (the Triton score kernels accumulate in fp32)
+            self.index_scores = index_scores_bf16_ref
+        elif args.impl == "triton":
             # chosen at construction (STYLE rule 13)
             from kernels.indexer import index_scores, index_scores_restricted
 
@@ -184,7 +214,10 @@ class Indexer(nn.Module):
         q_BSID = apply_rotary_emb(q_BSID, freqs_BSr)
         if qat:
             q_BSID = mxfp4_fake_quant(q_BSID)
-        return q_BSID, self.weights_proj(x_BSD).float() * self.weight_scale
+        w_BSI = self.weights_proj(x_BSD)
+        if self.numerics != "reference":  # the released code weights the heads in bf16
+            w_BSI = w_BSI.float()
+        return q_BSID, w_BSI * self.weight_scale
 
     def scores(
         self,
@@ -254,21 +287,34 @@ class Indexer(nn.Module):
             idx_BSK = self._restricted_topk(q_BSID, index_k_BGD, w_BSI, visible_BSG, candidate_blocks_BSC)
             return IndexerOutput(idx_BSK, None)
         score_BSG = self.index_scores(q_BSID, index_k_BGD, w_BSI, visible_BSG)
+        reference = self.numerics == "reference"
         candidates = blocks = None
         if self.is_candidate_source:
             assert block_id_BG is not None and newest_BS is not None
             blocks = candidate_block_ids(
-                score_BSG.detach(), block_id_BG, n_blocks, newest_BS, self.candidate_topk_blocks
-            )
+                score_BSG.detach(), block_id_BG, n_blocks, newest_BS, self.candidate_topk_blocks,
+                torch_topk if reference else topk_indices,
+            )  # fmt: skip
             candidates = candidate_mask(blocks, block_id_BG, n_blocks)
         elif self.uses_candidates:
             assert candidates_BSG is not None, f"layer {self.layer_id} needs the candidate pool"
             score_BSG = score_BSG.masked_fill(~candidates_BSG, -torch.inf)
+        if reference:
+            return IndexerOutput(self._reference_topk(score_BSG.detach(), visible_BSG), score_BSG, candidates, blocks)
         vals_BSK, idx_BSK = topk_indices(score_BSG.detach(), self.index_topk)
         idx_BSK = torch.where(vals_BSK > -torch.inf, idx_BSK, -1)
         # Position order like the reference (-1 first); attention does not depend on the order.
         idx_BSK = idx_BSK.sort(dim=-1).values
         return IndexerOutput(idx_BSK, score_BSG, candidates, blocks)
+
+    def _reference_topk(self, score_BSG: torch.Tensor, visible_BSG: torch.Tensor) -> torch.Tensor:
+        """The released code's picks: `torch.topk(sorted=False)` (its tie order), sorted ascending,
+        then -1 for groups the query cannot see, left in place (the -1 land last). Unlike the default
+        path, a visible pick outside the candidate pool (score -inf, when the pool holds fewer than
+        index_topk groups) stays selected, as there."""
+        K = min(self.index_topk, score_BSG.size(-1))
+        idx_BSK = score_BSG.topk(K, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return torch.where(visible_BSG.gather(-1, idx_BSK), idx_BSK, -1)
 
     def _restricted_topk(
         self,

@@ -189,3 +189,19 @@ def test_packed_decode_over_the_staging_budget_decodes_in_the_kernel(device, mon
     _check(o, ks.sparse_attn_ref(q, dense, sink, idxs, Dh**-0.5))
     if device == "cpu":
         assert torch.equal(o, ks.sparse_attn_fwd(q, dense, sink, idxs, Dh**-0.5, ks.PACKED_FUSED_CONFIG))
+
+
+@pytest.mark.parametrize("B,M,H,Dh,N,K", [(2, 3, 4, 64, 50, 150), (1, 1, 4, 512, 96, 160)])
+def test_reference_tiles_follow_the_released_kernels_blocks(device, B, M, H, Dh, N, K):
+    """numerics="reference" (reference=True): REFERENCE_CONFIG moves the running max in blocks of 64
+    indices as the released kernel and `sparse_attn_blocked_ref` do, decode-sized calls included;
+    the dots' own accumulation order stays the kernel's, hence a tolerance of one bf16 ulp."""
+    from model.attention import sparse_attn_blocked_ref
+
+    assert ks.REFERENCE_CONFIG["BK"] == 64 and ks.REFERENCE_CONFIG["SPLIT"] == 1
+    q, kv, sink, idxs = _inputs(B, M, H, Dh, N, K, torch.bfloat16, device)
+    scale = Dh**-0.5
+    o = ks.sparse_attn(q, kv, sink, idxs, scale, reference=True)
+    r = sparse_attn_blocked_ref(q.cpu(), kv.cpu(), sink.cpu(), idxs.cpu(), scale)
+    err = (o.cpu().float() - r.float()).abs()
+    assert (err <= 2**-7 * r.float().abs() + 1e-3).all(), err.max().item()
