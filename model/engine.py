@@ -40,6 +40,7 @@ from model.dspark import DSparkCache
 from model.engram import EngramHasher
 from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
+from model.ragged_cache import RaggedBatch
 from model.sampling import sample
 from model.speculative import (
     CostModel,
@@ -152,7 +153,8 @@ class InferenceEngine:
         self._sessions: dict[int, _Session] = {}
         # model calls made, tokens fed (rows x positions), tokens generated, tokens the decoder replayed in
         # CED prefills (rows x positions): for benches and tests
-        self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0}
+        self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
+                      "decode_steps": 0}  # fmt: skip
         self._next_id = 0
         # DSpark speculation: caches keep max_draft tokens of rollback, fed tokens keep their DSpark context
         self.speculative = speculative
@@ -374,34 +376,80 @@ class InferenceEngine:
         outs = [Generation([], [], "length", "", [], len(s.token_ids)) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
         self._feed([sessions[i] for i in active], prompt=True)
-        while active:
-            logits_BV = torch.stack([sessions[i].next_logits for i in active])
-            token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
-            self.stats["tokens_generated"] += len(active)
-            still = []
-            for i, tok, lp in zip(active, token_B.tolist(), logprob_B.tolist()):
-                s, out = sessions[i], outs[i]
-                s.token_ids.append(tok)
-                s.versions.append(s.next_version)
-                s.next_logits = None
-                out.token_ids.append(tok)
-                out.logprobs.append(lp)
-                out.policy_versions.append(s.next_version)
-                if stop_strings or stop_when:
-                    out.text = self.tokenizer.decode(out.token_ids)
-                hit = tok if tok in stops else next((x for x in stop_strings if x in out.text), None)
-                if hit is not None:
-                    out.finish_reason, out.stop = "stop", hit
-                elif stop_when is not None and stop_when(out.text):
-                    out.finish_reason = "stop"
-                elif len(out.token_ids) < max_new_tokens and len(s.token_ids) < self.max_seq_len:
-                    still.append(i)
-            active = still
-            self._feed([sessions[i] for i in active])
+        # decode: the sessions that go on are the rows of one RaggedBatch (one forward per step);
+        # rows[k] is the call index of batch row k, in the order of `active`
+        batch, rows = None, []
+        max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
+        try:
+            while active:
+                active = self._sample_step(sessions, outs, active, gens, temperature, top_p, stops, stop_strings,
+                                           stop_when, max_new_tokens)  # fmt: skip
+                if batch is not None and len(active) < len(rows):
+                    going_on = set(active)
+                    gone = [k for k, i in enumerate(rows) if i not in going_on]
+                    for k, cache in zip(gone, batch.take(gone)):
+                        sessions[rows[k]].cache = cache
+                    rows = [i for i in rows if i in going_on]
+                if active:
+                    if batch is None:
+                        batch, rows = RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens), active
+                    self._decode_step(batch, [sessions[i] for i in rows])
+        finally:
+            if batch is not None and rows:
+                for i, cache in zip(rows, batch.split()):
+                    sessions[i].cache = cache
         if self.tokenizer is not None:
             for out in outs:
                 out.text = self.tokenizer.decode(out.token_ids)
         return outs
+
+    def _sample_step(self, sessions, outs, active, gens, temperature, top_p, stops, stop_strings, stop_when,
+                     max_new_tokens) -> list[int]:  # fmt: skip
+        """Sample the next token of every active session from its next-token logits and record it;
+        returns the indices that go on (no stop, no length limit)."""
+        logits_BV = torch.stack([sessions[i].next_logits for i in active])
+        token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
+        self.stats["tokens_generated"] += len(active)
+        still = []
+        for i, tok, lp in zip(active, token_B.tolist(), logprob_B.tolist()):
+            s, out = sessions[i], outs[i]
+            s.token_ids.append(tok)
+            s.versions.append(s.next_version)
+            s.next_logits = None
+            out.token_ids.append(tok)
+            out.logprobs.append(lp)
+            out.policy_versions.append(s.next_version)
+            if stop_strings or stop_when:
+                out.text = self.tokenizer.decode(out.token_ids)
+            hit = tok if tok in stops else next((x for x in stop_strings if x in out.text), None)
+            if hit is not None:
+                out.finish_reason, out.stop = "stop", hit
+            elif stop_when is not None and stop_when(out.text):
+                out.finish_reason = "stop"
+            elif len(out.token_ids) < max_new_tokens and len(s.token_ids) < self.max_seq_len:
+                still.append(i)
+        return still
+
+    @torch.inference_mode()
+    def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> None:
+        """Feed every row's one unfed token (its newest generated one) in one ragged forward."""
+        ids = [s.token_ids[-1] for s in group]
+        engram_inputs = None
+        hasher = self._hasher or self.model.engram_hasher
+        if self.model.args.engram_layer_ids:
+            n_ctx = self.model.args.engram_max_ngram_size - 1
+            engram_inputs = _engram_rows(hasher, [s.token_ids for s in group], batch.pos, n_ctx, self.device)
+        keep_hidden = self.speculative is not None
+        out = batch.step(ids, engram_inputs, return_main_hidden=keep_hidden)
+        logits_BSV, main_hidden = out if keep_hidden else (out, None)
+        self.stats["forward_calls"] += 1
+        self.stats["decode_steps"] += 1
+        self.stats["tokens_fed"] += len(group)
+        for b, s in enumerate(group):
+            s.next_logits = logits_BSV[b, -1]
+            s.next_version = self.policy_version
+            if main_hidden is not None:
+                self._stash_hidden(s, main_hidden[b : b + 1])
 
     def _generators(self, seed: int | Sequence[int] | None, n: int) -> list[torch.Generator]:
         if seed is None:
@@ -585,6 +633,23 @@ class InferenceEngine:
         out.policy_versions += [version] * len(toks)
         if finish is not None:
             out.finish_reason, out.stop = finish
+
+
+def _engram_rows(hasher: EngramHasher, token_lists: list[list[int]], pos: list[int], n_ctx: int, device) -> dict:
+    """Engram inputs of one token per row (row b's token at pos[b], its context the n_ctx tokens
+    before): rows are hashed in groups of equal context length (rows near their start: fewer)."""
+    by_c: dict[int, list[int]] = {}
+    for b, p in enumerate(pos):
+        by_c.setdefault(min(p, n_ctx), []).append(b)
+    ids = torch.tensor([[t[p]] for t, p in zip(token_lists, pos)], dtype=torch.long)
+    hashes = None
+    for c, rows in by_c.items():
+        ctx = torch.tensor([token_lists[b][pos[b] - c : pos[b]] for b in rows]) if c else None
+        h = make_engram_inputs(hasher, ids[rows], context_ids=ctx)["hashes"]
+        if hashes is None:
+            hashes = h.new_zeros(len(pos), *h.shape[1:])
+        hashes[rows] = h
+    return {"hashes": hashes.to(device), "engram_mask": None}
 
 
 # ---------------------------------------------------------------------------- batching caches

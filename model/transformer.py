@@ -28,6 +28,7 @@ from model.attention import (
     AttnLayout,
     LayerCache,
     SharedAttnState,
+    build_decode_layout,
     build_incremental_layout,
     build_packed_layout,
 )
@@ -315,9 +316,11 @@ class Transformer(nn.Module):
             self._rope_tables[key] = table.to(device)
         return self._rope_tables[key]
 
-    def _context(self, layout: AttnLayout, indexer_loss: bool) -> AttnContext:
+    def _context(self, layout: AttnLayout, indexer_loss: bool, n_pos: int | None = None) -> AttnContext:
+        """`n_pos`: 1 + the largest position of the call when the caller knows it (no host sync)."""
         dev = layout.q_pos.device
-        n_pos = int(layout.q_pos.max()) + 1 if layout.q_pos.numel() else 1
+        if n_pos is None:
+            n_pos = int(layout.q_pos.max()) + 1 if layout.q_pos.numel() else 1
         freqs_q = {c: self._table(c, n_pos, dev)[layout.q_pos] for c in (False, True)}
         table = self._table(True, n_pos, dev)
         freqs_anchor = {r: table[gl.anchor_pos] for r, gl in layout.groups.items()}
@@ -480,6 +483,42 @@ class Transformer(nn.Module):
         self.run_layers(enc.streams, range(a.n_encoder_layers, a.n_layers), enc.ctx, cache.layers, enc.image_mask,
                         enc.engram_inputs)  # fmt: skip
         x_BSD, main_hidden = self.collapse(enc.streams)
+        logits = self.head(x_BSD.float())
+        return (logits, main_hidden) if return_main_hidden else logits
+
+    def forward_ragged_decode(
+        self,
+        input_ids: torch.Tensor,
+        pos: torch.Tensor,
+        cache: ModelCache,
+        *,
+        max_pos: int,
+        bank_slots: dict[int, int],
+        engram_inputs: dict[str, Any] | None = None,
+        return_main_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B,1,V] fp32 of one new token per row, row b's at its own position pos[b] (the
+        number of tokens its cache holds): the decode step of model/ragged_cache.py's batched cache
+        (rings right-aligned, banks preallocated with `bank_slots[r]` the trash slot per ratio);
+        max_pos = max(pos), known to the caller. The cache's rings and banks are extended in
+        place; seq_len is not used (rows differ). engram_inputs as forward_incremental's, required
+        with Engram layers (the rows' contexts differ, so the caller hashes)."""
+        a = self.args
+        if a.engram_layer_ids and engram_inputs is None:
+            raise ValueError("forward_ragged_decode needs engram_inputs (make_engram_inputs per row context)")
+        engram_inputs = self._engram_inputs(input_ids, None, None, engram_inputs, cache)
+        self._remember_ids(cache, input_ids, None)
+        layout = build_decode_layout(
+            pos, a.window_size, cache.layers[0].window_kv.size(1), self.ratios, a.candidate_block_size,
+            {r: (max_pos + 1) // r for r in self.ratios}, bank_slots,
+        )  # fmt: skip
+        ctx = self._context(layout, indexer_loss=False, n_pos=max_pos + 1)
+        streams = self.start_streams(self.embed(input_ids))
+        self.run_layers(streams, range(a.n_encoder_layers), ctx, cache.layers, None, engram_inputs)
+        if cache.encoder_out_len:
+            cache.remember_encoder_out(streams.h, streams.pre_mix)
+        self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), ctx, cache.layers, None, engram_inputs)
+        x_BSD, main_hidden = self.collapse(streams)
         logits = self.head(x_BSD.float())
         return (logits, main_hidden) if return_main_hidden else logits
 
