@@ -5,12 +5,14 @@ given and what it generated (`start` prompt + generated + `extend`ed ids, in ord
 re-tokenises text, and every generated token carries its sampling log-prob (model/sampling.py) and
 the policy version of the weights that produced it (DESIGN §3.1).
 
-Batching policy (correctness first). `forward_incremental` takes rows that share `start_pos`, so
-every prefill or decode step groups the sessions it advances by (tokens already cached, tokens fed
-now, cache tensor shapes); each group is one batched call (session caches concatenated on the batch
-dim and split back afterwards), and a session alone in its group steps alone. Sessions started from
-prompts of equal length (a GRPO group) thus prefill and decode as one batch until they finish.
-Results do not depend on the grouping (each session samples from its own generator).
+Batching policy. Decode steps: the sessions a `generate` call decodes are the rows of one
+`RaggedBatch` (model/ragged_cache.py) from their first decode step to their last, and each step
+feeds every row's newest token in ONE forward, each row at its own position over its own cache
+(rings right-aligned, banks preallocated and written in place); a session that stops leaves the
+batch between steps with its cache. Prefill: the prompt tokens of a call are fed in chunks of
+`prefill_chunk`, sessions at the same position with the same number of tokens to feed (a GRPO
+group's equal prompts) as one batched `forward_incremental` (caches stacked and split back), others
+one by one. Results do not depend on the batching (each session samples from its own generator).
 
 Feeding is lazy: `start`/`extend` only record tokens; the next `prefill`/`generate` feeds them (in
 chunks of `prefill_chunk`). The last generated token is fed when the session next advances.
@@ -258,8 +260,9 @@ class InferenceEngine:
         return cache
 
     def _feed(self, sessions: Sequence[_Session], prompt: bool = False) -> None:
-        """Feed the unfed tokens. `prompt`: they end a prompt (prefill, or the first feed of a generate
-        call: one turn's prompt end), which CED prefills; else a decode step (one generated token)."""
+        """Feed the unfed tokens through forward_incremental, grouped by position and count. `prompt`:
+        they end a prompt (prefill, or the first feed of a generate call: one turn's prompt end),
+        which CED prefills; else plain chunks."""
         todo = [s for s in sessions if s.n_unfed > 0]
         if prompt and self.prefill_mode == "ced":
             groups: dict[tuple, list[_Session]] = {}
