@@ -144,3 +144,26 @@ def test_ced_and_model_hasher_sessions_batch_too(template, hasher):
             alone = InferenceEngine(m, prefill_mode=mode)
             w = alone.generate([alone.start(p)], 6, stop_ids=())[0]
             _check(g, w.token_ids, w.logprobs)
+
+
+def test_speculation_continues_after_ragged_decode(template, hasher):
+    """A speculative engine's plain decode steps keep each row's DSpark context (the drafter's
+    input), so speculation continuing from them is still lossless (greedy = plain greedy)."""
+    from model.speculative import CostModel, SpeculativeConfig
+
+    m = Transformer(ARGS, engram_hasher=hasher)
+    m.init_weights(seed=0, std=0.2)
+    always_k = CostModel([1.0] * (ARGS.dspark_block_size + 1), 0.0)  # every step verifies all drafts
+    prompts = [_prompt(n, 120 + n) for n in (7, 12, 21)]
+    plain = InferenceEngine(m, template, max_sessions=4)
+    want = plain.generate([plain.start(p) for p in prompts], 14, stop_ids=())
+    spec = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig(cost=always_k))
+    sids = [spec.start(p) for p in prompts]
+    first = spec.generate(sids, 6, stop_ids=())
+    rest = spec.generate_speculative(sids, 8, stop_ids=())
+    assert spec.stats["decode_steps"] == 5 and all(spec.speculation_stats(s)["drafted"] > 0 for s in sids)
+    for w, a, b in zip(want, first, rest):
+        assert a.token_ids + b.token_ids == w.token_ids
+        # verification scores k+1 positions per matmul, plain decode one: fp32 summation order (and
+        # QAT rounding downstream of it) differs, as in test_speculative
+        torch.testing.assert_close(torch.tensor(a.logprobs + b.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-3)
