@@ -146,7 +146,7 @@ class GroupLayout:
     (blocks restart per document). n_pending_before: tokens of an incomplete group carried in.
     contiguous_block_size: bs when block_id == g // bs for every group (one document per row), so
     block c holds groups c·bs .. c·bs+bs-1 (the Triton Reindex path relies on it); 0 = not so.
-    write_idx [B,N] (ragged decode, `build_decode_layout`): the bank slot each new group is written
+    write_idx [B,N] (ragged rows, `build_ragged_layout`): the bank slot each new group is written
     to in a preallocated bank (the trash slot past the visible groups where row b completes none);
     None = new groups are appended after the cached ones.
     """
@@ -268,8 +268,10 @@ def build_incremental_layout(
     return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=start_pos - window + 1 - window_base, groups=groups)
 
 
-def build_decode_layout(
+def build_ragged_layout(
     pos_B: torch.Tensor,
+    n_B: torch.Tensor,
+    seqlen: int,
     window: int,
     window_rows: int,
     ratios: tuple[int, ...],
@@ -277,38 +279,42 @@ def build_decode_layout(
     n_groups: dict[int, int],
     bank_slots: dict[int, int],
 ) -> AttnLayout:
-    """Layout of one decode token per row at its own position `pos_B` [B] (rows of different
-    lengths, model/ragged_cache.py). Each row's window ring holds `window_rows` rows right-aligned
-    (its newest token last, zeros before its first), so after this token's row is appended query b's
-    window is rows T-W .. T-1 (T = window_rows + 1) in every row, -1 where the token precedes the row's
-    document. Per ratio r the bank is indexed by group number: `n_groups[r]` groups (the most any row
-    has after this token) are visible where complete, each row's pending tokens are the last r-1 rows
-    of its raw ring, one candidate group per row is compressed and written to slot
-    (pos+1)//r - 1 where it completes, else to the trash slot `bank_slots[r]`."""
-    B, dev = pos_B.size(0), pos_B.device
-    q_abs = pos_B[:, None]
-    T = window_rows + 1
-    t_BSW = q_abs[..., None] - (window - 1) + torch.arange(window, device=dev)
-    win = torch.where(t_BSW >= 0, T - window + torch.arange(window, device=dev).expand_as(t_BSW), -1)
+    """Layout of `seqlen` new tokens per row, row b's first at its own position pos_B[b] and only its
+    first n_B[b] real (the rest padding, whose outputs and cache entries the caller drops), for the
+    batched caches of model/ragged_cache.py: each row's rings hold `window_rows` entries right-aligned
+    (newest last, zeros before its first token), so with the new tokens appended query i's window is
+    rows window_rows+i-W+1 .. window_rows+i in every row (-1 before the row's document). Per ratio r
+    the bank is indexed by group number: `n_groups[r]` slots (the most any row fills) are visible
+    where complete; a row's pending tokens are the last r-1 raw-ring rows (pos % r of them real), the
+    (r-1+seqlen)//r candidate groups per row are compressed and written to their slot where all their
+    tokens are real, else to the trash slot `bank_slots[r]`."""
+    B, S, dev = pos_B.size(0), seqlen, pos_B.device
+    ar_S = torch.arange(S, device=dev)
+    q_abs = pos_B[:, None] + ar_S
+    w = torch.arange(window, device=dev)
+    t_BSW = q_abs[..., None] - (window - 1) + w
+    win = torch.where(t_BSW >= 0, (window_rows - window + 1 + ar_S)[None, :, None] + w, -1)
     bs = max(block_size, 1)
     groups = {}
     for r in ratios:
-        G = n_groups[r]
-        g = torch.arange(G, device=dev)
-        done = (pos_B + 1) % r == 0
+        G, N = n_groups[r], (r - 1 + S) // r
+        g, j = torch.arange(G, device=dev), torch.arange(N, device=dev)
+        p_mod, g0 = (pos_B % r)[:, None], (pos_B // r)[:, None]
+        first = (r - 1) - p_mod + j * r  # index of group j's first token in [pending r-1 ; new S]
+        done = first < n_B[:, None]  # its last token, new token `first`, is real
         groups[r] = GroupLayout(
             ratio=r,
-            tok_idx=torch.arange(r, device=dev).expand(B, 1, r),
-            anchor_pos=(pos_B + 1 - r).clamp(min=0)[:, None],
+            tok_idx=(first[..., None] + torch.arange(r, device=dev)).clamp(max=r - 2 + S),
+            anchor_pos=(g0 + j) * r,
             visible=(g * r + r - 1)[None, None, :] <= q_abs[..., None],
-            newest=(q_abs + 1) // r - 1,
+            newest=((q_abs + 1) // r - 1).clamp(max=G - 1),
             block_id=(g // bs).expand(B, G),
             n_blocks=-(-G // bs),
             n_pending_before=r - 1,
             contiguous_block_size=bs,
-            write_idx=torch.where(done, (pos_B + 1) // r - 1, bank_slots[r])[:, None],
+            write_idx=torch.where(done, g0 + j, bank_slots[r]),
         )
-    return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=T - window, groups=groups)
+    return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=window_rows - window + 1, groups=groups)
 
 
 # ---------------------------------------------------------------------------- state and caches

@@ -3,6 +3,8 @@ step (model/ragged_cache.py) and each gets what a per-session `forward_increment
 gives it (greedy and seeded sampling, dense and packed caches, CED prefill, the model's own Engram
 hasher), sessions leave the batch as they stop, and the caches they keep equal the loop's."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,15 +18,17 @@ from model.transformer import ModelCache, Transformer, make_engram_inputs
 
 torch.set_num_threads(1)
 
-ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742)  # default tokenizer's Engram
+# QAT off for the equality tests: rows batched differently route different token sets through each
+# expert, so the expert matmuls round differently in the last fp32 bits; with QAT on, FP8/FP4
+# rounding and the Engram gate's signed square root (steep near 0) amplify that up to ~1e-2 in the
+# logits (measured on teacher-forced rows that differ only in a LATER token), while with QAT off it
+# stays ~3e-6. Packed caches need QAT: that test compares packed with dense over the same batches.
+QAT_ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742)  # default tokenizer's Engram
+ARGS = dataclasses.replace(QAT_ARGS, qat=False)
 # 3..30 tokens: before/after the window (16), odd and even (a pending ratio-2 token or not), one
 # shorter than the Engram context (a 1-token prompt decodes its first token with 1 token of context)
 LENGTHS = (1, 4, 9, 16, 17, 30)
-# A batch of rows and one row alone may take different fp32 kernels (CPU BLAS picks by shape and
-# alignment), so values differ in their last bits; with QAT on, such a difference moves a value
-# across an FP8/FP4 fake-quant rounding boundary now and then, and the log-probs downstream then
-# differ by ~1e-4 (measured up to 7.4e-5). Tokens must still be equal.
-ATOL = 5e-4
+ATOL = 1e-4  # log-probs of ~-8: fp32 rounding of differently shaped batches, far below top-token gaps
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,7 @@ def test_mixed_lengths_decode_in_one_forward_per_step(model, template, hasher, t
     engine = InferenceEngine(model, template, max_sessions=8)
     sids = [engine.start(p) for p in prompts]
     engine.prefill(sids)
+    assert engine.stats["forward_calls"] == 1  # six lengths, one ragged prefill forward
     calls = engine.stats["forward_calls"]
     n_new = 8
     gens = engine.generate(sids, n_new, temperature=temperature, top_p=0.95, stop_ids=(), seed=seeds)
@@ -122,14 +127,16 @@ def test_sessions_leave_and_keep_their_caches(model, template, hasher):
         _check(g, *_loop(model, hasher, toks[: len(toks) - 4], 4)[:2])
 
 
-def test_packed_ragged_decode_equals_dense(model, template):
+def test_packed_ragged_decode_equals_dense(template):
+    model = Transformer(QAT_ARGS)
+    model.init_weights(seed=0, std=0.1)
     prompts = [_prompt(n, 80 + n) for n in (3, 14, 21)]
     kw = {"temperature": 0.9, "top_p": 0.95, "stop_ids": (), "seed": [1, 2, 3]}
     runs = [InferenceEngine(model, template, max_sessions=4, packed_cache=p) for p in (False, True)]
     outs = [e.generate([e.start(p) for p in prompts], 7, **kw) for e in runs]
     for d, p in zip(*outs):
         assert p.token_ids == d.token_ids and p.logprobs == d.logprobs  # the same bits are attended
-    assert runs[0].stats["forward_calls"] == runs[1].stats["forward_calls"] == 3 + 6
+    assert runs[0].stats["forward_calls"] == runs[1].stats["forward_calls"] == 1 + 6  # one prefill for all
 
 
 def test_ced_and_model_hasher_sessions_batch_too(template, hasher):
