@@ -7,8 +7,8 @@ lengths; rows with fewer tokens than the longest are padded. Storage, per layer:
   rings (window KV, the compressor's raw tail, the Engram id tail, the CED encoder output): fixed
   [B, keep + slack, ...] right-aligned (a row's newest entry last, zeros before its first); a step
   appends its tokens, padding included, and then shifts each row right past its padding, so the
-  ring again ends at the row's newest real token (`slack` = the most tokens a step feeds, so the
-  shift never loses an entry a later token needs); the layout (attention.build_ragged_layout)
+  ring again ends at the row's newest real token (`slack` = the most padding a row gets in a step,
+  so the shift never loses an entry a later token needs); the layout (attention.build_ragged_layout)
   masks what a short row lacks;
   global banks (compressed KV, index keys): preallocated [B, slots + 1, ...] indexed by group
   number, written in place where a row completes a group of real tokens (the extra slot takes the
@@ -37,15 +37,16 @@ _MODEL_RINGS = ("recent_ids", "encoder_h", "encoder_pre")
 
 class RaggedBatch:
     """`caches` (one ModelCache per row, fed up to their seq_len; empty ones too) as one batch;
-    `max_tokens`: the most tokens any row will hold (sizes the banks); `slack`: the most tokens one
-    step feeds a row (1 for decode steps)."""
+    `max_tokens`: the most tokens any row will hold (sizes the banks); `slack`: the most padding a
+    row gets in one step (the longest step minus the row's tokens: 0 for decode steps, where every
+    row feeds one token; a prefill chunk where a row may be fed nothing)."""
 
-    def __init__(self, model: Transformer, caches: list[ModelCache], max_tokens: int, slack: int = 1):
+    def __init__(self, model: Transformer, caches: list[ModelCache], max_tokens: int, slack: int = 0):
         a, c0 = model.args, caches[0]
         self.model = model
         self.pos = [c.seq_len for c in caches]
         self.rb = rb = c0.max_rollback
-        self.slack = max(slack - 1, 0)  # a 1-token step needs no slack
+        self.slack = slack
         self.dspark = [c.dspark for c in caches]  # feeding does not touch the drafter's context
         self.slots = {r: max_tokens // r + 1 for r in model.ratios}  # bank slots; the last is the trash slot
         # the batch keeps `slack` more ring entries: attention and the model size rings by max_rollback
@@ -97,14 +98,14 @@ class RaggedBatch:
 
     @torch.inference_mode()
     def step(self, ids: list[list[int]], engram_inputs: dict | None = None, return_main_hidden: bool = False):
-        """Feed row b its tokens ids[b] (up to slack+1 of them, none at all allowed) at its position;
+        """Feed row b its tokens ids[b] (none allowed; at most `slack` fewer than the longest row's);
         returns forward_ragged's logits [B,V] after each row's last fed token (undefined for a row fed
         none), and the DSpark context [B,S,X] with `return_main_hidden` (row b's first len(ids[b]))."""
         dev = self.model.embed.weight.device
         n = [len(x) for x in ids]
         S = max(n)
-        if S > self.slack + 1:
-            raise ValueError(f"a step feeds at most {self.slack + 1} tokens per row here, got {S}")
+        if S - min(n) > self.slack:
+            raise ValueError(f"rows of one step differ by at most slack={self.slack} tokens here, got {S - min(n)}")
         end = max(p + k for p, k in zip(self.pos, n))
         if any(end // r > s - 1 for r, s in self.slots.items()):
             raise ValueError("a row outgrew the batch's banks: size max_tokens for the longest row")

@@ -174,3 +174,14 @@ def test_speculation_continues_after_ragged_decode(template, hasher):
         # verification scores k+1 positions per matmul, plain decode one: fp32 summation order (and
         # QAT rounding downstream of it) differs, as in test_speculative
         torch.testing.assert_close(torch.tensor(a.logprobs + b.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-3)
+
+
+def test_chunked_ragged_prefill(model, template, hasher):
+    """Prompts longer than prefill_chunk take several ragged steps; rows that finish early ride along
+    fed nothing (their rings realigned back), and every row still gets its own loop's tokens."""
+    prompts = [_prompt(n, 130 + n) for n in (3, 8, 13, 30)]
+    engine = InferenceEngine(model, template, max_sessions=4, prefill_chunk=8)
+    gens = engine.generate([engine.start(p) for p in prompts], 5, stop_ids=())
+    assert engine.stats["forward_calls"] == 4 + 4  # ceil(30 / 8) prefill steps, then 4 decode steps
+    for p, g in zip(prompts, gens):
+        _check(g, *_loop(model, hasher, p, 5)[:2])
