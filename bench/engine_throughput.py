@@ -8,7 +8,7 @@ One JSON line per (engine, sessions), one process. Every session has its own pro
 uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt ids; decode =
 `InferenceEngine.generate(..., no stop ids, T = 1)` after `engine.prefill`, sampling and bookkeeping
 included. Rows {engine: "flashpost", flavor, device, impl, sessions, prompt_lens (min, max, distinct),
-new_tokens, prefill_s, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model
+new_tokens, prefill_s, prefill_forwards, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model
 calls per decode step after the first token, which comes from the prefill logits), bytes_per_step
 (weights a decode step touches at this batch + every session's cache, packed format),
 copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step = bytes / copy rate}.
@@ -86,6 +86,7 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate) -> d
     engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
     engine.close(warm)
     sids = [engine.start(p) for p in prompts]
+    calls_p = engine.stats["forward_calls"]
     _sync(device)
     t0 = time.perf_counter()
     engine.prefill(sids)
@@ -102,7 +103,7 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate) -> d
     return {
         "engine": "flashpost", "flavor": flavor, "device": _device_name(device), "impl": args.impl,
         "sessions": n, "prompt_lens": [min(lens), max(lens), len(set(lens))], "new_tokens": new_tokens,
-        "prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
+        "prefill_s": round(t1 - t0, 4), "prefill_forwards": calls0 - calls_p, "decode_s": round(t2 - t1, 4),
         "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t2 - t1), 1),
         "ms_per_step": round(ms, 3),
         "forwards_per_decode_step": round((engine.stats["forward_calls"] - calls0) / max(steps, 1), 3),
