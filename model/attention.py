@@ -205,6 +205,9 @@ class GroupLayout:
     (blocks restart per document). n_pending_before: tokens of an incomplete group carried in.
     contiguous_block_size: bs when block_id == g // bs for every group (one document per row), so
     block c holds groups c·bs .. c·bs+bs-1 (the Triton Reindex path relies on it); 0 = not so.
+    write_idx [B,N] (ragged rows, `build_ragged_layout`): the bank slot each new group is written
+    to in a preallocated bank (the trash slot past the visible groups where row b completes none);
+    None = new groups are appended after the cached ones.
     """
 
     ratio: int
@@ -216,6 +219,7 @@ class GroupLayout:
     n_blocks: int
     n_pending_before: int = 0
     contiguous_block_size: int = 0
+    write_idx: torch.Tensor | None = None
 
 
 @dataclass
@@ -323,6 +327,55 @@ def build_incremental_layout(
     return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=start_pos - window + 1 - window_base, groups=groups)
 
 
+def build_ragged_layout(
+    pos_B: torch.Tensor,
+    n_B: torch.Tensor,
+    seqlen: int,
+    window: int,
+    window_rows: int,
+    ratios: tuple[int, ...],
+    block_size: int,
+    n_groups: dict[int, int],
+    bank_slots: dict[int, int],
+) -> AttnLayout:
+    """Layout of `seqlen` new tokens per row, row b's first at its own position pos_B[b] and only its
+    first n_B[b] real (the rest padding, whose outputs and cache entries the caller drops), for the
+    batched caches of model/ragged_cache.py: each row's rings hold `window_rows` entries right-aligned
+    (newest last, zeros before its first token), so with the new tokens appended query i's window is
+    rows window_rows+i-W+1 .. window_rows+i in every row (-1 before the row's document). Per ratio r
+    the bank is indexed by group number: `n_groups[r]` slots (the most any row fills) are visible
+    where complete; a row's pending tokens are the last r-1 raw-ring rows (pos % r of them real), the
+    (r-1+seqlen)//r candidate groups per row are compressed and written to their slot where all their
+    tokens are real, else to the trash slot `bank_slots[r]`."""
+    B, S, dev = pos_B.size(0), seqlen, pos_B.device
+    ar_S = torch.arange(S, device=dev)
+    q_abs = pos_B[:, None] + ar_S
+    w = torch.arange(window, device=dev)
+    t_BSW = q_abs[..., None] - (window - 1) + w
+    win = torch.where(t_BSW >= 0, (window_rows - window + 1 + ar_S)[None, :, None] + w, -1)
+    bs = max(block_size, 1)
+    groups = {}
+    for r in ratios:
+        G, N = n_groups[r], (r - 1 + S) // r
+        g, j = torch.arange(G, device=dev), torch.arange(N, device=dev)
+        p_mod, g0 = (pos_B % r)[:, None], (pos_B // r)[:, None]
+        first = (r - 1) - p_mod + j * r  # index of group j's first token in [pending r-1 ; new S]
+        done = first < n_B[:, None]  # its last token, new token `first`, is real
+        groups[r] = GroupLayout(
+            ratio=r,
+            tok_idx=(first[..., None] + torch.arange(r, device=dev)).clamp(max=r - 2 + S),
+            anchor_pos=(g0 + j) * r,
+            visible=(g * r + r - 1)[None, None, :] <= q_abs[..., None],
+            newest=((q_abs + 1) // r - 1).clamp(max=G - 1),
+            block_id=(g // bs).expand(B, G),
+            n_blocks=-(-G // bs),
+            n_pending_before=r - 1,
+            contiguous_block_size=bs,
+            write_idx=torch.where(done, g0 + j, bank_slots[r]),
+        )
+    return AttnLayout(q_pos=q_abs, win_idxs=win, win_lo=window_rows - window + 1, groups=groups)
+
+
 # ---------------------------------------------------------------------------- state and caches
 @dataclass
 class SharedAttnState:
@@ -399,22 +452,43 @@ class LayerCache:
         self.window_kv = rows[:, max(0, rows.size(1) - keep) :]
         return kv_BTD
 
-    def bank(self, dtype: torch.dtype | None = None, packed_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def bank(
+        self, dtype: torch.dtype | None = None, packed_kv: bool = False, n_groups: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored global bank (compressed KV [B,G,Dh], index keys [B,G,Di]) as dense tensors.
         `packed_kv` (packed caches): the compressed KV stays its uint8 entries, for the Triton
-        attention that decodes the entries it gathers instead of the whole bank every call."""
+        attention that decodes the entries it gathers instead of the whole bank every call.
+        `n_groups`: only the first n_groups slots (a preallocated bank's filled part)."""
         assert self.compress_kv is not None and self.index_k is not None, "no bank in this cache"
+        ckv, k = self.compress_kv, self.index_k
+        if n_groups is not None:
+            ckv, k = ckv[:, :n_groups], k[:, :n_groups]
         if not self.packed:
-            return self.compress_kv, self.index_k
+            return ckv, k
         dtype = dtype or getattr(torch, self.dtype)
-        kv = self.compress_kv if packed_kv else unpack_main_kv(self.compress_kv, dtype)
-        return kv, unpack_index_k(self.index_k, dtype)
+        kv = ckv if packed_kv else unpack_main_kv(ckv, dtype)
+        return kv, unpack_index_k(k, dtype)
 
     def append_bank(
-        self, ckv_BND: torch.Tensor, k_BND: torch.Tensor, ratio: int, packed_kv: bool = False
+        self,
+        ckv_BND: torch.Tensor,
+        k_BND: torch.Tensor,
+        ratio: int,
+        packed_kv: bool = False,
+        write_idx: torch.Tensor | None = None,
+        n_groups: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new groups to the bank; returns all groups (cached + new) dense (the compressed KV
-        as its packed entries with `packed_kv`, see `bank`)."""
+        as its packed entries with `packed_kv`, see `bank`). `write_idx` [B,N] (a preallocated bank,
+        model/ragged_cache.py): the new groups are written in place at those slots and the first
+        `n_groups` slots are returned, views of the bank."""
+        if write_idx is not None:
+            if self.packed:
+                self._dense_dtype(ckv_BND)
+                ckv_BND, k_BND = pack_main_kv(ckv_BND), pack_index_k(k_BND)
+            for bank, new in ((self.compress_kv, ckv_BND), (self.index_k, k_BND)):
+                bank.scatter_(1, write_idx[..., None].expand(*write_idx.shape, bank.size(-1)), new.to(bank.dtype))
+            return self.bank(packed_kv=packed_kv, n_groups=n_groups)
         if not self.packed:
             if self.compress_kv is not None:
                 ckv_BND = torch.cat([self.compress_kv, ckv_BND], dim=1)
@@ -626,7 +700,10 @@ class Attention(nn.Module):
             if qat:  # compressed main KV: E2M1 with E4M3 scales per 16, post-RoPE (§3.10)
                 ckv_BND = fp4_e4m3_fake_quant(ckv_BND)
         if cache is not None:
-            ckv_BND, k_BND = cache.append_bank(ckv_BND, k_BND, r, packed_kv=self._reads_packed(cache))
+            ckv_BND, k_BND = cache.append_bank(
+                ckv_BND, k_BND, r, packed_kv=self._reads_packed(cache), write_idx=gl.write_idx,
+                n_groups=None if gl.write_idx is None else gl.visible.size(-1),
+            )  # fmt: skip
         return ckv_BND, k_BND
 
     def _reads_packed(self, cache: LayerCache | None) -> bool:

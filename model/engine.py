@@ -1,23 +1,27 @@
-"""Session-based inference over `Transformer.forward_incremental`: token ids in, token ids out.
+"""Session-based inference over `Transformer.forward_ragged` (`forward_incremental` for CED prefill
+and speculative verification): token ids in, token ids out.
 
 A session is one conversation's token list and its `ModelCache`. Its tokens are exactly what it was
 given and what it generated (`start` prompt + generated + `extend`ed ids, in order): the engine never
 re-tokenises text, and every generated token carries its sampling log-prob (model/sampling.py) and
 the policy version of the weights that produced it (DESIGN §3.1).
 
-Batching policy (correctness first). `forward_incremental` takes rows that share `start_pos`, so
-every prefill or decode step groups the sessions it advances by (tokens already cached, tokens fed
-now, cache tensor shapes); each group is one batched call (session caches concatenated on the batch
-dim and split back afterwards), and a session alone in its group steps alone. Sessions started from
-prompts of equal length (a GRPO group) thus prefill and decode as one batch until they finish.
-Results do not depend on the grouping (each session samples from its own generator).
+Batching policy: one forward for all sessions, each at its own position. Prompts (what a prefill or
+the start of a generate call feeds) are fed in ragged steps of up to `prefill_chunk` tokens per row
+over every session with tokens to feed (shorter rows padded, model/ragged_cache.py); the sessions a
+`generate` call decodes are then the rows of one `RaggedBatch` from their first decode step to their
+last, each step feeding every row's newest token in ONE forward, and a session that stops leaves
+the batch between steps with its cache. CED prefill (model/ced.py) runs per group of sessions at the
+same position with the same count (caches stacked and split back), as does speculative
+verification. Results do not depend on the batching beyond fp32 rounding (each session samples
+from its own generator).
 
 Feeding is lazy: `start`/`extend` only record tokens; the next `prefill`/`generate` feeds them (in
 chunks of `prefill_chunk`). The last generated token is fed when the session next advances.
 DSpark speculative decoding: `generate_speculative` (engine built with `speculative=`), the step
 itself in model/speculative.py.
 CED prefill (`prefill_mode="ced"`): each prompt (what a prefill or the start of a generate call feeds)
-goes through model/ced.py; decode steps are plain incremental calls.
+goes through model/ced.py; decode steps are the ragged steps above.
 Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix.
 Packed cache storage (`packed_cache=True`, QAT models): the sessions' LayerCaches hold the byte entries
 of model/packed_cache.py (attention.py packs on write, unpacks on read); by default they hold the dense
@@ -40,6 +44,7 @@ from model.dspark import DSparkCache
 from model.engram import EngramHasher
 from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
+from model.ragged_cache import RaggedBatch
 from model.sampling import sample
 from model.speculative import (
     CostModel,
@@ -53,6 +58,8 @@ from model.tokenizer import Tokenizer
 from model.transformer import ModelCache, Transformer, make_engram_inputs
 
 FinishReason = Literal["stop", "length"]
+# padded tokens per prefill forward at most (rows x chunk): bounds a ragged prefill's activations
+_PREFILL_TOKENS = 32768
 
 
 @dataclass
@@ -152,7 +159,8 @@ class InferenceEngine:
         self._sessions: dict[int, _Session] = {}
         # model calls made, tokens fed (rows x positions), tokens generated, tokens the decoder replayed in
         # CED prefills (rows x positions): for benches and tests
-        self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0}
+        self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
+                      "decode_steps": 0}  # fmt: skip
         self._next_id = 0
         # DSpark speculation: caches keep max_draft tokens of rollback, fed tokens keep their DSpark context
         self.speculative = speculative
@@ -244,7 +252,7 @@ class InferenceEngine:
         """Feed every recorded but unfed token of the sessions (all by default); returns how many."""
         sessions = [self._get(i) for i in (self.session_ids if session_ids is None else session_ids)]
         n = sum(s.n_unfed for s in sessions)
-        self._feed(sessions, prompt=True)
+        self._feed(sessions)
         return n
 
     def _new_cache(self) -> ModelCache:
@@ -255,11 +263,13 @@ class InferenceEngine:
             cache.layers = [LayerCache(max_rollback=self._max_rollback, packed=True) for _ in self.model.layers]
         return cache
 
-    def _feed(self, sessions: Sequence[_Session], prompt: bool = False) -> None:
-        """Feed the unfed tokens. `prompt`: they end a prompt (prefill, or the first feed of a generate
-        call: one turn's prompt end), which CED prefills; else a decode step (one generated token)."""
+    def _feed(self, sessions: Sequence[_Session]) -> None:
+        """Feed every recorded but unfed token of the sessions (each ends a prompt: a prefill, or the
+        first feed of a generate call). CED: one `ced_prefill` per group of sessions at the same
+        position with the same count; else ragged steps of up to prefill_chunk tokens per row over
+        all of them at once (as many rows per forward as _PREFILL_TOKENS padded tokens allow)."""
         todo = [s for s in sessions if s.n_unfed > 0]
-        if prompt and self.prefill_mode == "ced":
+        if self.prefill_mode == "ced":
             groups: dict[tuple, list[_Session]] = {}
             for s in todo:
                 groups.setdefault((s.cache.seq_len, s.n_unfed, _signature(s.cache)), []).append(s)
@@ -267,40 +277,46 @@ class InferenceEngine:
                 self._prefill_ced(group)
             return
         while todo:
-            groups: dict[tuple, list[_Session]] = {}
-            for s in todo:
-                n = min(s.n_unfed, self.prefill_chunk)
-                groups.setdefault((s.cache.seq_len, n, _signature(s.cache)), []).append(s)
-            for (_, n, _), group in groups.items():
-                self._forward(group, n)
-            todo = [s for s in todo if s.n_unfed > 0]
+            S = min(self.prefill_chunk, max(s.n_unfed for s in todo))
+            n_rows = max(1, _PREFILL_TOKENS // S)
+            self._prefill_ragged(todo[:n_rows])
+            todo = todo[n_rows:]
 
     @torch.inference_mode()
-    def _forward(self, group: list[_Session], n: int) -> None:
-        """Feed the next `n` unfed tokens of every session of `group` (all at one position)."""
-        start = group[0].cache.seq_len
-        ids = torch.tensor([s.token_ids[start : start + n] for s in group], dtype=torch.long, device=self.device)
-        cache = group[0].cache if len(group) == 1 else _stack([s.cache for s in group])
-        engram_inputs = None
-        if self._hasher is not None:
-            c = min(start, self.model.args.engram_max_ngram_size - 1)
-            context_ids = torch.tensor([s.token_ids[start - c : start] for s in group]) if c else None
-            engram_inputs = make_engram_inputs(self._hasher, ids, context_ids=context_ids)
+    def _prefill_ragged(self, group: list[_Session]) -> None:
+        """Feed every unfed token of the sessions of `group`, each row at its own position, in steps
+        of up to prefill_chunk tokens per row (one forward per step for all rows)."""
+        chunk = min(self.prefill_chunk, max(s.n_unfed for s in group))
+        batch = RaggedBatch(self.model, [s.cache for s in group], max(len(s.token_ids) for s in group), chunk)
         keep_hidden = self.speculative is not None
-        out = self.model.forward_incremental(
-            ids, start, cache, engram_inputs=engram_inputs, return_main_hidden=keep_hidden
-        )  # fmt: skip
-        logits_BSV, main_hidden = out if keep_hidden else (out, None)
-        self.stats["forward_calls"] += 1
-        self.stats["tokens_fed"] += ids.numel()
-        if len(group) > 1:
-            for i, s in enumerate(group):
-                s.cache = _row(cache, i)
-        for i, s in enumerate(group):
-            s.next_logits = logits_BSV[i, -1].clone() if s.n_unfed == 0 else None
-            s.next_version = self.policy_version
-            if main_hidden is not None:
-                self._stash_hidden(s, main_hidden[i : i + 1])
+        try:
+            while True:
+                ids = [s.token_ids[p : min(len(s.token_ids), p + chunk)] for s, p in zip(group, batch.pos)]
+                if not any(ids):
+                    break
+                out = batch.step(ids, self._engram_rows(group, batch.pos, ids), return_main_hidden=keep_hidden)
+                logits_BV, main_hidden = out if keep_hidden else (out, None)
+                self.stats["forward_calls"] += 1
+                self.stats["tokens_fed"] += sum(map(len, ids))
+                for b, (s, fed) in enumerate(zip(group, ids)):
+                    if not fed:
+                        continue
+                    if batch.pos[b] == len(s.token_ids):
+                        s.next_logits, s.next_version = logits_BV[b], self.policy_version
+                    if main_hidden is not None:
+                        self._stash_hidden(s, main_hidden[b : b + 1, : len(fed)])
+        finally:
+            for s, cache in zip(group, batch.split()):
+                s.cache = cache
+
+    def _engram_rows(self, group: list[_Session], pos: list[int], ids: list[list[int]]) -> dict | None:
+        """Engram inputs of a ragged step (None without Engram layers): the engine's hasher, or the
+        model's own, over each row's tokens with the max_ngram-1 tokens before as its context."""
+        if not self.model.args.engram_layer_ids:
+            return None
+        hasher = self._hasher or self.model.engram_hasher
+        return _engram_rows(hasher, [s.token_ids for s in group], pos, ids, self.model.args.engram_max_ngram_size - 1,
+                            self.device)  # fmt: skip
 
     @torch.inference_mode()
     def _prefill_ced(self, group: list[_Session]) -> None:
@@ -373,35 +389,74 @@ class InferenceEngine:
         gens = self._generators(seed, len(sessions))
         outs = [Generation([], [], "length", "", [], len(s.token_ids)) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
-        self._feed([sessions[i] for i in active], prompt=True)
-        while active:
-            logits_BV = torch.stack([sessions[i].next_logits for i in active])
-            token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
-            self.stats["tokens_generated"] += len(active)
-            still = []
-            for i, tok, lp in zip(active, token_B.tolist(), logprob_B.tolist()):
-                s, out = sessions[i], outs[i]
-                s.token_ids.append(tok)
-                s.versions.append(s.next_version)
-                s.next_logits = None
-                out.token_ids.append(tok)
-                out.logprobs.append(lp)
-                out.policy_versions.append(s.next_version)
-                if stop_strings or stop_when:
-                    out.text = self.tokenizer.decode(out.token_ids)
-                hit = tok if tok in stops else next((x for x in stop_strings if x in out.text), None)
-                if hit is not None:
-                    out.finish_reason, out.stop = "stop", hit
-                elif stop_when is not None and stop_when(out.text):
-                    out.finish_reason = "stop"
-                elif len(out.token_ids) < max_new_tokens and len(s.token_ids) < self.max_seq_len:
-                    still.append(i)
-            active = still
-            self._feed([sessions[i] for i in active])
+        self._feed([sessions[i] for i in active])
+        # decode: the sessions that go on are the rows of one RaggedBatch (one forward per step);
+        # rows[k] is the call index of batch row k, in the order of `active`
+        batch, rows = None, []
+        max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
+        try:
+            while active:
+                active = self._sample_step(sessions, outs, active, gens, temperature, top_p, stops, stop_strings,
+                                           stop_when, max_new_tokens)  # fmt: skip
+                if batch is not None and len(active) < len(rows):
+                    going_on = set(active)
+                    gone = [k for k, i in enumerate(rows) if i not in going_on]
+                    for k, cache in zip(gone, batch.take(gone)):
+                        sessions[rows[k]].cache = cache
+                    rows = [i for i in rows if i in going_on]
+                if active:
+                    if batch is None:
+                        batch, rows = RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens), active
+                    self._decode_step(batch, [sessions[i] for i in rows])
+        finally:
+            if batch is not None and rows:
+                for i, cache in zip(rows, batch.split()):
+                    sessions[i].cache = cache
         if self.tokenizer is not None:
             for out in outs:
                 out.text = self.tokenizer.decode(out.token_ids)
         return outs
+
+    def _sample_step(self, sessions, outs, active, gens, temperature, top_p, stops, stop_strings, stop_when,
+                     max_new_tokens) -> list[int]:  # fmt: skip
+        """Sample the next token of every active session from its next-token logits and record it;
+        returns the indices that go on (no stop, no length limit)."""
+        logits_BV = torch.stack([sessions[i].next_logits for i in active])
+        token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
+        self.stats["tokens_generated"] += len(active)
+        still = []
+        for i, tok, lp in zip(active, token_B.tolist(), logprob_B.tolist()):
+            s, out = sessions[i], outs[i]
+            s.token_ids.append(tok)
+            s.versions.append(s.next_version)
+            s.next_logits = None
+            out.token_ids.append(tok)
+            out.logprobs.append(lp)
+            out.policy_versions.append(s.next_version)
+            if stop_strings or stop_when:
+                out.text = self.tokenizer.decode(out.token_ids)
+            hit = tok if tok in stops else next((x for x in stop_strings if x in out.text), None)
+            if hit is not None:
+                out.finish_reason, out.stop = "stop", hit
+            elif stop_when is not None and stop_when(out.text):
+                out.finish_reason = "stop"
+            elif len(out.token_ids) < max_new_tokens and len(s.token_ids) < self.max_seq_len:
+                still.append(i)
+        return still
+
+    def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> None:
+        """Feed every row's one unfed token (its newest generated one) in one ragged forward."""
+        ids = [[s.token_ids[-1]] for s in group]
+        keep_hidden = self.speculative is not None
+        out = batch.step(ids, self._engram_rows(group, batch.pos, ids), return_main_hidden=keep_hidden)
+        logits_BV, main_hidden = out if keep_hidden else (out, None)
+        self.stats["forward_calls"] += 1
+        self.stats["decode_steps"] += 1
+        self.stats["tokens_fed"] += len(group)
+        for b, s in enumerate(group):
+            s.next_logits, s.next_version = logits_BV[b], self.policy_version
+            if main_hidden is not None:
+                self._stash_hidden(s, main_hidden[b : b + 1])
 
     def _generators(self, seed: int | Sequence[int] | None, n: int) -> list[torch.Generator]:
         if seed is None:
@@ -446,7 +501,7 @@ class InferenceEngine:
         gens = self._generators(seed, len(sessions))
         outs = [Generation([], [], "length", "", [], len(s.token_ids)) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
-        self._feed([sessions[i] for i in active], prompt=True)
+        self._feed([sessions[i] for i in active])
         limits = (stops, tuple(stop_strings), max_new_tokens)
         if active:  # first token: from the prefill logits, as `generate`
             logits_BV = torch.stack([sessions[i].next_logits for i in active])
@@ -585,6 +640,25 @@ class InferenceEngine:
         out.policy_versions += [version] * len(toks)
         if finish is not None:
             out.finish_reason, out.stop = finish
+
+
+def _engram_rows(hasher: EngramHasher, token_lists, pos: list[int], ids: list[list[int]], n_ctx: int, device) -> dict:
+    """Engram inputs of a ragged step: row b's tokens ids[b] (padded to the longest) at pos[b], its
+    context the n_ctx tokens before; rows are hashed in groups of equal context length (rows near
+    their start have fewer). Padding positions hash too; the caller drops what they produce."""
+    S = max(map(len, ids))
+    x = torch.tensor([row + [0] * (S - len(row)) for row in ids], dtype=torch.long)
+    by_c: dict[int, list[int]] = {}
+    for b, p in enumerate(pos):
+        by_c.setdefault(min(p, n_ctx), []).append(b)
+    hashes = None
+    for c, rows in by_c.items():
+        ctx = torch.tensor([token_lists[b][pos[b] - c : pos[b]] for b in rows]) if c else None
+        h = make_engram_inputs(hasher, x[rows], context_ids=ctx)["hashes"]
+        if hashes is None:
+            hashes = h.new_zeros(len(pos), *h.shape[1:])
+        hashes[rows] = h
+    return {"hashes": hashes.to(device), "engram_mask": None}
 
 
 # ---------------------------------------------------------------------------- batching caches

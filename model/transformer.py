@@ -30,6 +30,7 @@ from model.attention import (
     SharedAttnState,
     build_incremental_layout,
     build_packed_layout,
+    build_ragged_layout,
 )
 from model.config import ModelArgs
 from model.engram import Engram, EngramHasher
@@ -315,9 +316,11 @@ class Transformer(nn.Module):
             self._rope_tables[key] = table.to(device)
         return self._rope_tables[key]
 
-    def _context(self, layout: AttnLayout, indexer_loss: bool) -> AttnContext:
+    def _context(self, layout: AttnLayout, indexer_loss: bool, n_pos: int | None = None) -> AttnContext:
+        """`n_pos`: 1 + the largest position of the call when the caller knows it (no host sync)."""
         dev = layout.q_pos.device
-        n_pos = int(layout.q_pos.max()) + 1 if layout.q_pos.numel() else 1
+        if n_pos is None:
+            n_pos = int(layout.q_pos.max()) + 1 if layout.q_pos.numel() else 1
         freqs_q = {c: self._table(c, n_pos, dev)[layout.q_pos] for c in (False, True)}
         table = self._table(True, n_pos, dev)
         freqs_anchor = {r: table[gl.anchor_pos] for r, gl in layout.groups.items()}
@@ -481,6 +484,46 @@ class Transformer(nn.Module):
                         enc.engram_inputs)  # fmt: skip
         x_BSD, main_hidden = self.collapse(enc.streams)
         logits = self.head(x_BSD.float())
+        return (logits, main_hidden) if return_main_hidden else logits
+
+    def forward_ragged(
+        self,
+        input_ids: torch.Tensor,
+        pos: torch.Tensor,
+        n_real: torch.Tensor,
+        cache: ModelCache,
+        *,
+        max_end: int,
+        bank_slots: dict[int, int],
+        engram_inputs: dict[str, Any] | None = None,
+        return_main_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B,V] fp32 after each row's last real token: input_ids [B,S] holds row b's next
+        n_real[b] tokens (then padding) at positions pos[b].., over model/ragged_cache.py's batched
+        cache (rings right-aligned, banks preallocated, `bank_slots[r]` the trash slot per ratio);
+        max_end = max(pos + n_real), known to the caller (no host sync). The cache is extended in
+        place, padding included (the caller realigns the rings); seq_len is not used (rows differ).
+        engram_inputs as forward_incremental's, required with Engram layers (rows' contexts differ,
+        so the caller hashes). With `return_main_hidden`: (logits, DSpark context [B,S,X])."""
+        a = self.args
+        if a.engram_layer_ids and engram_inputs is None:
+            raise ValueError("forward_ragged needs engram_inputs (make_engram_inputs per row context)")
+        engram_inputs = self._engram_inputs(input_ids, None, None, engram_inputs, cache)
+        self._remember_ids(cache, input_ids, None)
+        B, S = input_ids.shape
+        layout = build_ragged_layout(
+            pos, n_real, S, a.window_size, cache.layers[0].window_kv.size(1), self.ratios, a.candidate_block_size,
+            {r: max_end // r for r in self.ratios}, bank_slots,
+        )  # fmt: skip
+        ctx = self._context(layout, indexer_loss=False, n_pos=max_end + S)
+        streams = self.start_streams(self.embed(input_ids))
+        self.run_layers(streams, range(a.n_encoder_layers), ctx, cache.layers, None, engram_inputs)
+        if cache.encoder_out_len:
+            cache.remember_encoder_out(streams.h, streams.pre_mix)
+        self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), ctx, cache.layers, None, engram_inputs)
+        x_BSD, main_hidden = self.collapse(streams)
+        last = (n_real - 1).clamp(min=0)
+        logits = self.head(x_BSD[torch.arange(B, device=x_BSD.device), last].float())
         return (logits, main_hidden) if return_main_hidden else logits
 
     def encode_incremental(

@@ -169,7 +169,8 @@ def test_greedy_speculative_equals_plain_greedy(make_model):
     assert all(s["drafted"] > 0 for s in stats)
     if make_model is _trained_model:  # on the prompts it was trained on, multi-token acceptance happens
         assert sum(s["accepted"] for s in stats[:2]) / sum(s["drafted"] for s in stats[:2]) > 0.5
-        assert spec.stats["forward_calls"] < plain.stats["forward_calls"]
+        # and fewer forwards per session than plain decoding's steps (which batch every session)
+        assert all(s["steps"] + s["plain_steps"] < plain.stats["decode_steps"] for s in stats[:2])
     # continuing the sessions after a tool result stays equal (rollback left the caches consistent)
     for x, y in zip(a, b):
         plain.extend(x, _prompt(3, 9))

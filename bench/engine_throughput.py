@@ -1,0 +1,187 @@
+"""Rollout-engine decode throughput with mixed prompt lengths, against its memory floor and a peer.
+
+    python -m bench.engine_throughput --device cpu --flavor debug --quick      # the CPU check a test runs
+    python -m bench.engine_throughput --device cpu --flavor tiny --sessions 1 16 64
+    python -m bench.engine_throughput --device cuda --flavor small --impl triton  # 1, 16, 64, 256 sessions
+
+One JSON line per (engine, sessions), one process. Every session has its own prompt, lengths drawn
+uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt ids; decode =
+`InferenceEngine.generate(..., no stop ids, T = 1)` after `engine.prefill`, sampling and bookkeeping
+included. Rows {engine: "flashpost", flavor, device, impl, sessions, prompt_lens (min, max, distinct),
+new_tokens, prefill_s, prefill_forwards, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model
+calls per decode step after the first token, which comes from the prefill logits), bytes_per_step
+(weights a decode step touches at this batch + every session's cache, packed format),
+copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step = bytes / copy rate}.
+With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
+count: a dense Llama-style model of about the same active parameters (random weights, the same
+prompts left-padded, static cache, 128 new tokens forced with min_new_tokens).
+Not here: speculative decoding (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import torch  # noqa: E402
+
+from bench.model_step import build_model  # noqa: E402
+from model.accounting import active_params  # noqa: E402
+from model.config import ModelArgs, default_tokenizer_fit, get_flavor  # noqa: E402
+from model.engine import InferenceEngine  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
+
+# (min prompt, max prompt, new tokens) per flavor; --quick shrinks them
+DEFAULTS = {"debug": (8, 48, 16), "tiny": (32, 256, 32), "small": (256, 2047, 128)}
+QUICK = {"sessions": (1, 4), "lens": (5, 20), "new_tokens": 6}
+OVERRIDES = {f: default_tokenizer_fit() for f in ("debug", "small")}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def mixed_prompts(args: ModelArgs, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(32, args.vocab_size, (m,), generator=g).tolist() for m in lens]
+
+
+def copy_gb_per_s(device: torch.device) -> float:
+    """Device copy rate (read + write counted once each), measured now."""
+    n = (256 if device.type == "cuda" else 32) * 2**20
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    _sync(device)
+    reps, t0 = 10, time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * n * reps / (time.perf_counter() - t0) / 1e9
+
+
+def decode_bytes(args: ModelArgs, model, engine: InferenceEngine, sids: list[int]) -> int:
+    """Bytes one decode step reads: the weights touched (active experts per token, all of them once
+    the batch reaches every expert) and the sessions' caches (packed size)."""
+    itemsize = model.embed.weight.element_size()
+    act = {k: v for k, v in active_params(args, "decode").items() if k not in ("total", "backbone")}
+    experts = act.get("routed_experts", 0)
+    touched = min(experts * len(sids), experts * args.n_routed_experts // args.n_activated_experts)
+    weights = (sum(act.values()) - experts + touched) * itemsize
+    cache = sum(sum(engine.cache_bytes(s).values()) for s in sids)
+    return int(weights + cache)
+
+
+def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate) -> dict:
+    n = len(prompts)
+    engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device,
+                             max_seq_len=max(map(len, prompts)) + new_tokens + 8)  # fmt: skip
+    warm = engine.start(prompts[0])  # first-call allocations, rope tables
+    engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
+    engine.close(warm)
+    sids = [engine.start(p) for p in prompts]
+    calls_p = engine.stats["forward_calls"]
+    _sync(device)
+    t0 = time.perf_counter()
+    engine.prefill(sids)
+    _sync(device)
+    t1 = time.perf_counter()
+    calls0 = engine.stats["forward_calls"]
+    outs = engine.generate(sids, new_tokens, temperature=1.0, stop_ids=(), seed=1)
+    _sync(device)
+    t2 = time.perf_counter()
+    steps = new_tokens - 1
+    nbytes = decode_bytes(args, model, engine, sids)
+    ms = (t2 - t1) / steps * 1e3 if steps else 0.0
+    lens = [len(p) for p in prompts]
+    return {
+        "engine": "flashpost", "flavor": flavor, "device": _device_name(device), "impl": args.impl,
+        "sessions": n, "prompt_lens": [min(lens), max(lens), len(set(lens))], "new_tokens": new_tokens,
+        "prefill_s": round(t1 - t0, 4), "prefill_forwards": calls0 - calls_p, "decode_s": round(t2 - t1, 4),
+        "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t2 - t1), 1),
+        "ms_per_step": round(ms, 3),
+        "forwards_per_decode_step": round((engine.stats["forward_calls"] - calls0) / max(steps, 1), 3),
+        "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
+        "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4),
+    }  # fmt: skip
+
+
+def run_hf(args, device, prompts, new_tokens) -> dict | None:
+    """transformers `generate` on a dense Llama of about the same active parameters (static cache)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    act = sum(v for k, v in active_params(args, "decode").items() if k not in ("total", "backbone"))
+    layers, dim = args.n_layers, args.dim
+    inter = max(64, int((act / layers - 4 * dim * dim) / (3 * dim)))  # attention 4 D^2, MLP 3 D I per layer
+    cfg = LlamaConfig(vocab_size=args.vocab_size, hidden_size=dim, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_heads,
+                      max_position_embeddings=max(map(len, prompts)) + new_tokens + 8, pad_token_id=0)  # fmt: skip
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    mask = (torch.arange(width, device=device)[None, :] >= (width - lens)[:, None]).long()
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+          "cache_implementation": "static"}  # fmt: skip
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm-up: compiles the static-cache step
+        times = []
+        for n in (1, new_tokens):  # prefill alone, then the whole generate: decode = the difference
+            _sync(device)
+            t0 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": n, "min_new_tokens": n})
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    steps, dt = new_tokens - 1, times[1] - times[0]
+    return {"engine": "hf_generate", "device": _device_name(device), "sessions": len(prompts),
+            "params": sum(p.numel() for p in model.parameters()), "new_tokens": new_tokens,
+            "prefill_s": round(times[0], 4), "decode_s": round(dt, 4), "ms_per_step": round(dt / steps * 1e3, 3),
+            "decode_tokens_per_s": round(len(prompts) * steps / dt, 1)}  # fmt: skip
+
+
+def _device_name(device: torch.device) -> str:
+    return str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--flavor", default="debug", choices=sorted(DEFAULTS))
+    p.add_argument("--impl", default="torch", choices=("torch", "triton"))
+    p.add_argument("--sessions", type=int, nargs="+", default=None, help="default 1 16 64 256")
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="1 and 4 sessions, short prompts: a test's check")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    args = get_flavor(a.flavor, impl=a.impl, **OVERRIDES.get(a.flavor, {}))
+    lo, hi, new = DEFAULTS[a.flavor]
+    sessions = a.sessions or (1, 16, 64, 256)
+    if a.quick:
+        (lo, hi), new, sessions = QUICK["lens"], QUICK["new_tokens"], a.sessions or QUICK["sessions"]
+    new = a.new_tokens or new
+    model = build_model(args, device)
+    rate = copy_gb_per_s(device)
+    for n in sessions:
+        prompts = mixed_prompts(args, n, lo, hi, seed=n)
+        print(json.dumps(run_engine(args, a.flavor, device, model, prompts, new, rate)), flush=True)
+        if not (a.quick or a.no_hf):
+            row = run_hf(args, device, prompts, new)
+            if row is not None:
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

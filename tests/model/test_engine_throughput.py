@@ -1,0 +1,23 @@
+"""bench/engine_throughput.py's CPU quick mode runs as users run it (a subprocess from the repository
+root) and reports one forward per decode step for sessions of mixed prompt lengths."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_mode_decodes_mixed_lengths_in_one_forward_per_step():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.engine_throughput", "--device", "cpu", "--flavor", "debug", "--quick",
+           "--threads", "1"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["sessions"] for r in rows] == [1, 4]
+    mixed = rows[1]
+    assert mixed["prompt_lens"][2] > 1, "the quick mode's prompts must have different lengths"
+    assert all(r["forwards_per_decode_step"] == 1 for r in rows)
+    assert all(r["decode_tokens_per_s"] > 0 and r["floor_ms_per_step"] > 0 for r in rows)
