@@ -130,8 +130,9 @@ def test_batched_sessions_equal_sessions_run_alone(model, template):
     want = [alone.generate([alone.start(p)], 6, seed=[s], **kw)[0] for p, s in zip(prompts, seeds)]
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
-        # 3 rows per matmul vs 1: a reordering (measured <= 2.4e-6 with QAT on, before it was off)
-        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
+        # 3 rows per matmul vs 1: a reordering like the others, so LP_TOL (measured <= 2.9e-6; the former
+        # 1e-5 left 3x, less than LP_TOL's derivation allows a reordering)
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), **LP_TOL)
     # the three equal-length sessions ran as one batch: 1 prefill + 5 decode calls for them, same for the 4th
     assert together.stats["forward_calls"] == 2 * 6
     assert alone.stats["forward_calls"] == 4 * 6
