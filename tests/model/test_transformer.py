@@ -201,9 +201,15 @@ def _block_outputs(model, ids, doc_ids=None):
     return logits, outs
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("t", [17, 22, 31])  # odd and even positions, inside ratio-2 groups
 def test_causality_every_layer(t):
-    model = _model()
+    # Positions before t are not bit-identical: the changed token may route to other experts, which
+    # changes the expert batches' row counts and so the order MKL sums the earlier rows in (9.7e-6 on
+    # hidden states of magnitude ~10 with MKL capped at AVX2, 0 on AVX-512; under QAT such a reordering
+    # could also flip a rounding boundary, hence QAT off). A causal leak moves them as the token moves
+    # its own position, by > 4 at every layer, far beyond PATH_TOL (asserted per layer).
+    model = _model(qat=False)
     ids = _ids(2, S)
     pert = ids.clone()
     pert[:, t] = (pert[:, t] + 7) % 512
@@ -211,9 +217,9 @@ def test_causality_every_layer(t):
     new_logits, new = _block_outputs(model, pert)
     for i, (x, y) in enumerate(zip(base, new)):
         role = model.args.layer_role(i)
-        torch.testing.assert_close(x[:, :t], y[:, :t], rtol=0, atol=1e-6, msg=f"layer {i} ({role})")
-        assert (x[:, t] - y[:, t]).abs().max() > 0, f"layer {i} ignores token {t}"
-    torch.testing.assert_close(base_logits[:, :t], new_logits[:, :t], rtol=0, atol=1e-6)
+        torch.testing.assert_close(x[:, :t], y[:, :t], **PATH_TOL, msg=f"layer {i} ({role})")
+        assert (x[:, t] - y[:, t]).abs().max() > 100 * PATH_TOL["atol"], f"layer {i} ignores token {t}"
+    torch.testing.assert_close(base_logits[:, :t], new_logits[:, :t], **PATH_TOL)
 
 
 @pytest.mark.numerics
@@ -233,8 +239,12 @@ def test_packed_row_equals_documents_run_alone_and_documents_are_isolated():
     pert[0, 3] = (pert[0, 3] + 1) % 512  # inside document 0
     with torch.no_grad():
         other = model(pert, doc_ids).logits
-    torch.testing.assert_close(other[:, 13:], packed[:, 13:], rtol=0, atol=0)
-    assert (other[:, 3:13] - packed[:, 3:13]).abs().max() > 1e-4
+    # Not bit-identical: the changed token may route to other experts, which changes the row counts of
+    # the expert batches and so the order MKL sums the other documents' rows in (5.5e-6 with MKL capped
+    # at AVX2, 0 on AVX-512). A leak across documents would move them as it moves document 0's own
+    # positions, by far more than PATH_TOL (asserted in the line after).
+    torch.testing.assert_close(other[:, 13:], packed[:, 13:], **PATH_TOL)
+    assert (other[:, 3:13] - packed[:, 3:13]).abs().max() > 100 * PATH_TOL["atol"]
 
 
 def test_every_trainable_parameter_gets_gradient():
