@@ -31,7 +31,7 @@ def device(request) -> str:
 @pytest.fixture(scope="session")
 def debug_model():
     """Factory of the `debug` Transformer for the model-level kernel tests: `debug_model(impl, seed,
-    device)` builds it with `init_weights(seed, std=0.1)`, its Engram hashed over a word-level
+    device, qat)` builds it with `init_weights(seed, std=0.1)`, its Engram hashed over a word-level
     tokenizer of its own vocabulary (no tokenizer files)."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import models
@@ -40,8 +40,8 @@ def debug_model():
     from model.engram import EngramHasher
     from model.transformer import Transformer
 
-    def make(impl: str = "torch", seed: int = 0, device: str = "cpu") -> Transformer:
-        args = get_flavor("debug", impl=impl)
+    def make(impl: str = "torch", seed: int = 0, device: str = "cpu", qat: bool = True) -> Transformer:
+        args = get_flavor("debug", impl=impl, qat=qat)
         vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
         model = Transformer(args, engram_hasher=EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>"))))
         model.init_weights(seed=seed, std=0.1)

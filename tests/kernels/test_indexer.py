@@ -177,11 +177,14 @@ def test_launchers_reject_bad_inputs(device):
 def test_model_triton_impl_picks_the_same_groups(device, debug_model):
     """The debug Transformer with impl=triton (Triton indexer, and the other kernels) against
     impl=torch: same top-k at every index layer (Full, candidate source, Reindex), same logits and
-    indexer-loss gradients within tolerance. fp32: the kernels' fp32 dots follow the reference."""
+    indexer-loss gradients within tolerance. fp32: the kernels' fp32 dots follow the reference in
+    another order (~1e-6 relative), so QAT is off: under it a value on an FP8/FP4 rounding boundary
+    would round apart in the two impls and move picks and logits by a quantization step (the quant
+    kernels are compared bit for bit in test_quant.py)."""
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1)).to(device)
     runs = {}
     for impl in ("torch", "triton"):
-        model = debug_model(impl, seed=1, device=device)
+        model = debug_model(impl, seed=1, device=device, qat=False)
         picks = {}
         for i, layer in enumerate(model.layers):
             if layer.attn.indexer is not None:

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from model.attention import (
@@ -34,6 +35,7 @@ def _naive(q, kv, sink, idxs, scale):
     return out
 
 
+@pytest.mark.numerics
 def test_sparse_attn_matches_naive_with_sink_and_invalid_rows():
     torch.manual_seed(0)
     B, M, H, N, D, K = 2, 3, 4, 9, 16, 5
@@ -44,7 +46,10 @@ def test_sparse_attn_matches_naive_with_sink_and_invalid_rows():
     idxs[1, 2] = -1  # no valid index at all -> zeros
     idxs[1, 0, 1] = idxs[1, 0, 0]  # duplicates count twice, as in the reference (no dedup)
     got = sparse_attn_ref(q, kv, sink, idxs, 0.25)
-    torch.testing.assert_close(got.double(), _naive(q, kv, sink, idxs, 0.25), rtol=1e-5, atol=1e-6)
+    # fp32 against fp64: each output is a softmax-weighted mean of randn rows (|v| < ~4), so its fp32
+    # rounding is a few ulp of 4, ~1e-6 at most, whichever kernels sum it (measured <= 6.7e-7 under
+    # ATEN_CPU_CAPABILITY=default/avx2/avx512 and MKL AVX2, against the former atol 1e-6)
+    torch.testing.assert_close(got.double(), _naive(q, kv, sink, idxs, 0.25), rtol=1e-5, atol=4e-6)
     assert (got[1, 2] == 0).all()
 
 
@@ -146,6 +151,7 @@ def _concat_ref(q, kv_win, win_idxs, sink, scale, ckv, cidx):
     return sparse_attn_ref(q, torch.cat([kv_win, ckv], 1), sink, idxs, scale)
 
 
+@pytest.mark.numerics
 def test_windowed_sparse_attn_equals_reference_packed_and_incremental():
     torch.manual_seed(2)
     H, D, W, G, Kc = 3, 16, 4, 6, 3
@@ -164,7 +170,9 @@ def test_windowed_sparse_attn_equals_reference_packed_and_incremental():
         cidx = torch.randint(-1, G, (2, S, Kc))
         got, p_comp = windowed_sparse_attn(q, kv, lay.win_lo, lay.win_idxs, sink, 0.3, ckv, cidx)
         want = _concat_ref(q, kv, lay.win_idxs, sink, 0.3, ckv, cidx)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # two fp32 orders of one softmax-weighted mean of randn rows (window and compressed parts merged
+        # vs one softmax): a few ulp of |v| < ~4 (measured <= 6e-7 under 4 CPU kernel paths; was 1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=4e-6)
         idxs = torch.cat([lay.win_idxs, torch.where(cidx >= 0, cidx + T, -1)], -1)
         probs = sparse_attn_probs_ref(q, torch.cat([kv, ckv], 1), sink, idxs, 0.3)
         torch.testing.assert_close(p_comp, probs[..., W:], rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 """Compressor: ratio-2 per-channel softmax pooling, ratio-1 projection, pending groups across calls."""
 
+import pytest
 import torch
 
 from model.attention import build_incremental_layout, build_packed_layout
@@ -43,6 +44,7 @@ def test_ratio1_is_normed_projection():
     torch.testing.assert_close(latent, comp.norm(comp.wkv(x)))
 
 
+@pytest.mark.numerics
 def test_ratio2_pending_tokens_carry_across_calls():
     args, comp = _compressor(2)
     x = torch.randn(2, 7, args.dim)
@@ -57,7 +59,10 @@ def test_ratio2_pending_tokens_carry_across_calls():
         pos += n
         p = pos % 2  # the incomplete group's tokens wait for the next call
         pending = (kv[:, kv.size(1) - p :], score[:, kv.size(1) - p :]) if p else None
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-6, atol=1e-6)
+    # chunks of 1-3 rows vs 7 per matmul: fp32 sums in another order, a few ulp of normalized latents of
+    # magnitude ~1-4 (measured <= 1.7e-6 under ATEN_CPU_CAPABILITY=default/avx2/avx512 and MKL AVX2, which
+    # the former 1e-6 passed only through its rtol); 1e-5 leaves 6x
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_groups_restart_at_document_start():

@@ -62,6 +62,7 @@ def test_explicit_inputs_equal_the_attached_hasher_and_engram_matters(model, arg
         assert (model(ids, engram_inputs=other).logits[:, :2] - explicit[:, :2]).abs().max() > 1e-4
 
 
+@pytest.mark.numerics
 def test_teacher_forced_equals_incremental_decode_with_engram(model, args, hasher):
     ids = _ids(2, 30, seed=2)
     n_ctx = args.engram_max_ngram_size - 1
@@ -74,6 +75,7 @@ def test_teacher_forced_equals_incremental_decode_with_engram(model, args, hashe
     torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.numerics
 def test_packed_rows_equal_documents_alone_with_engram(model, hasher):
     lens = (11, 17, 6)
     ids = _ids(1, sum(lens), seed=3)

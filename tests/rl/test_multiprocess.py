@@ -14,12 +14,19 @@ per step). Engram tables (stage 0) are left to tests/rl/test_learner.py: their S
 reordering so much that even one process with its micro-batches reordered drifts by ~1e-2 in 3 steps.
 QAT is off for the same reason: a reordered sum that lands a weight on the other side of an FP4
 rounding boundary moves its fake-quantised value by a whole step (on an AMD EPYC host the stage-0
-run's indexer weights drifted 1.9e-3 in 3 steps with QAT on, 1.6e-6 with it off). The resume case
-keeps QAT: one process and its checkpoint take the same sums in the same order.
+run's indexer weights drifted 1.9e-3 in 3 steps with QAT on, 1.6e-6 with it off). Newton-Schulz runs
+in fp32 for the same reason: DeepSpeed's "gram" iteration picks fp16 wherever oneDNN reports fp16
+support (Sapphire Rapids and later Xeons: `ns_compute_dtype`), fp32 elsewhere, and in fp16 the ~1e-7
+reordering differences of the gradient become whole fp16 steps (eps 9.8e-4) of the update: on such a
+host the stage-0 experts drifted 2.6e-4 after one step and 4e-3 after three, the losses 2.1e-4
+relative. `_fp32_newton_schulz` makes every CPU take the fp32 path this tolerance is derived for; the
+test is about data parallelism, not the iteration's precision. The resume case keeps QAT and the
+host's Newton-Schulz dtype: one process and its checkpoint take the same sums in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -58,6 +65,22 @@ def _global_batch(vocab: int, n_docs: int):
     return pack_trajectories(trajs, max_tokens=32)
 
 
+@contextlib.contextmanager
+def _fp32_newton_schulz():
+    """DeepSpeed's CPU accelerator reporting no fp16 support while inside: `ns_compute_dtype("gram")`, read at
+    every Muon step, is then fp32 on every CPU (see the module docstring)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+
+    acc = get_accelerator()
+    acc.is_fp16_supported = lambda: False  # an instance attribute shadows the method
+    try:
+        assert ns_compute_dtype("gram") == torch.float32
+        yield
+    finally:
+        del acc.is_fp16_supported
+
+
 def train(case: str, rank: int, world: int) -> dict:
     """STEPS updates of this rank's share (micro-batches i % world == rank) -> losses and weights."""
     from rl.learner import Learner
@@ -68,7 +91,8 @@ def train(case: str, rank: int, world: int) -> dict:
     batches = _global_batch(model.args.vocab_size, n_docs)
     mine = [b for i, b in enumerate(batches) if i % world == rank]
     learner = Learner(model, TrainerConfig(kind="sft", zero_stage=stage, optim=OPTIM))
-    with torch.compiler.set_stance("force_eager"):  # DeepSpeed compiles Newton-Schulz: seconds per shape on CPU
+    # DeepSpeed compiles Newton-Schulz: seconds per shape on CPU
+    with torch.compiler.set_stance("force_eager"), _fp32_newton_schulz():
         losses = [learner.train_step(mine, "sft")["loss"] for _ in range(STEPS)]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "weights": weights}
