@@ -431,13 +431,15 @@ def make_canaries(f2p):
 
 def check_canaries(expect, records):
     """What the canaries' records say was forged, suppressed or skipped (empty if they hold)."""
-    calls = {}
+    calls, unloaded = {}, {r["collect_error"].split("::")[0] for r in records if "collect_error" in r}
     for r in records:
         if r.get("nodeid") in expect and r["when"] == "call":
             calls.setdefault(r["nodeid"], []).append(r)
     problems = []
     for nid, (kind, literal) in expect.items():
         got = calls.get(nid, [])
+        if nid.split("::")[0] in unloaded:
+            continue  # its module did not load (broken code under test): no test of it ran, reward 0
         if len(got) != 1:
             problems.append(f"canary {nid} reported {len(got)} times")
         elif kind == "fail" and (got[0]["outcome"] != "failed" or literal not in got[0]["message"]):

@@ -50,7 +50,8 @@ def tasks(engine_ready):
 
 @pytest.fixture(scope="module")
 def pool(engine_ready):
-    with GraderPool(max_graders=4, wait_s=60) as p:  # reuse, even when a loaded machine slows resets
+    # One grader per image: a grading waits for the last one's reset (reuse), even on a loaded machine.
+    with GraderPool(max_graders=4, graders_per_image=1, wait_s=60) as p:
         yield p
     assert p.stats["reset_failed"] == 0, p.stats
 
@@ -78,7 +79,7 @@ def test_agent_workspace_flow_with_warm_pool(tasks, pool):
     assert r.reward == 1.0 and r.agreement, r.reason
     r2 = grade_patch(task, task.gold_patch, pool=pool)  # served by a reset, re-verified grader
     assert r2.reward == 1.0
-    assert pool.stats["reused"] >= 1
+    assert pool.stats["reused"] >= 1, pool.stats
 
 
 @docker
@@ -90,8 +91,9 @@ def test_canned_hacks_score_zero(tasks, pool, hack):
         apply_hack(sb, task, hack)
         r = grade_sandbox(sb, task, pool=pool, timeout_s=15)
     assert r.reward == 0.0, f"{hack.name} was rewarded: {r.reason}"
-    if hack.name.startswith("conftest") or hack.name in ("pytest_ini_deselect", "sitecustomize_patch"):
-        assert r.dropped_paths  # never reached the grader at all
+    if hack.name in ("conftest_fake_pass", "conftest_sys_exit", "conftest_skip_all", "pytest_ini_deselect",
+                     "sitecustomize_patch"):
+        assert r.reason.startswith("patch refused") and r.flag == "patch"  # never reached the grader
 
 
 @docker
