@@ -347,25 +347,35 @@ class Refused(Exception):
     """The applied patch goes beyond what the host allowed, or the static screen refuses it."""
 
 
-def changed_paths(git):
+def git(*args, stdin=b""):
+    p = subprocess.run(["git", "-c", "core.quotepath=off", *args], input=stdin, capture_output=True, cwd=WORKSPACE)
+    if p.returncode != 0:
+        raise RuntimeError(f"git {args[0]}: {p.stderr.decode(errors='replace')[-1500:]}")
+    return p.stdout.decode(errors="surrogateescape")
+
+
+def changed_paths():
     """Paths that differ from HEAD in the work tree: tracked, untracked and ignored ones."""
     out = git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching", "--no-renames")
     return {entry[3:] for entry in out.split("\0") if len(entry) > 3}
 
 
-def prepare(job):
-    """Apply the agent patch and check what it changed, restore test files, apply the test patch,
-    append the canaries (as agent, in cwd; before any code of the workspace has run)."""
-    def git(*args, stdin=b""):
-        p = subprocess.run(["git", "-c", "core.quotepath=off", *args], input=stdin, capture_output=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"git {args[0]}: {p.stderr.decode(errors='replace')[-1500:]}")
-        return p.stdout.decode(errors="surrogateescape")
+def _read(path):
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            return f.read()
+    except OSError:
+        return ""
 
-    before = changed_paths(git)
+
+def prepare(job, baseline):
+    """Apply the agent patch and check what it changed, restore test files, apply the test patch,
+    append the canaries (as agent, in the pristine workspace, whose changed_paths() are
+    `baseline`; before any code of the workspace has run)."""
+    old = {p: _read(p) for p in job["allowed"] if p.endswith(".py")}  # the workspace is pristine here
     if job["patch"].strip():
         git("apply", "--whitespace=nowarn", "-", stdin=job["patch"].encode())
-    changed = changed_paths(git) - before
+    changed = changed_paths() - baseline
     extra = sorted(changed - set(job["allowed"]))
     if extra:
         raise Refused(f"applying the patch changed paths the patch screen did not see: {extra[:20]}")
@@ -375,12 +385,7 @@ def prepare(job):
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise Refused(f"{path} is no longer a regular file")
         if path.endswith(".py") and st is not None:
-            try:
-                old = git("show", f"{job['base_revision']}:{path}")
-            except RuntimeError:
-                old = ""
-            with open(path, encoding="utf-8", errors="surrogateescape") as f:
-                hits += [f"{path}: {h}" for h in screen_source(old, f.read())]
+            hits += [f"{path}: {h}" for h in screen_source(old.get(path, ""), _read(path))]
     if hits:
         raise Refused("the static screen refuses the changed code: " + "; ".join(hits))
     if job["test_files"]:
@@ -450,12 +455,12 @@ def check_canaries(expect, records):
     return problems
 
 
-def run_tests(job, rec_fd, secret):
+def run_tests(job, baseline, rec_fd, secret):
     def fn():
         secret.clear()  # the canaries' expected outcomes stay with the root parent only
         os.chdir(WORKSPACE)
         try:
-            prepare(job)
+            prepare(job, baseline)
         except (RuntimeError, Refused, OSError) as e:
             kind = "refused" if isinstance(e, Refused) else "prepare_failed"
             os.write(rec_fd, (json.dumps({kind: str(e)}) + "\n").encode())
@@ -472,7 +477,7 @@ def run_tests(job, rec_fd, secret):
     return fn
 
 
-def grade(job):
+def grade(job, baseline):
     canary_src, expect = make_canaries(job["f2p"])
     job = {**job, "canary_src": canary_src}
     rec_r, rec_w = os.pipe()
@@ -480,8 +485,9 @@ def grade(job):
     stop = threading.Event()
     recs = Capped(FLOOD_RECORDS, 0, FLOOD_RECORDS, stop)
     console = Capped(MAX_CONSOLE // 8, MAX_CONSOLE, FLOOD_CONSOLE, stop)
-    rc, _ = in_agent_child(run_tests(job, rec_w, expect), out_fd=out_w, sinks=[(rec_r, recs), (out_r, console)],
-                           parent_close=(rec_w, out_w), timeout=job["timeout_s"], stop=stop)
+    rc, _ = in_agent_child(run_tests(job, baseline, rec_w, expect), out_fd=out_w,
+                           sinks=[(rec_r, recs), (out_r, console)], parent_close=(rec_w, out_w),
+                           timeout=job["timeout_s"], stop=stop)
     result = {"prepared": True, "exit_code": rc, "records": [], "conflicts": [], "log": [], "tamper": [],
               "refused": None, "flood": None, "canaries": sorted(expect)}
     if console.flooded or recs.flooded:
@@ -577,37 +583,37 @@ def junit_xml(status, records):
 
 
 def main():
-    pristine = pristine_ws = None
+    pristine = {}  # "state" (digests), "workspace" (tar), "baseline" (changed_paths() when pristine)
     for line in sys.stdin:
         cmd = json.loads(line)
         t0 = time.monotonic()
         try:
-            reply = serve_one(cmd, pristine, pristine_ws)
+            reply = serve_one(cmd, pristine)
         except Exception as e:  # noqa: BLE001 - keep serving; the host fails this request
             reply = {"error": f"{type(e).__name__}: {e}"}
-        snapshot = reply.pop("workspace", None)
-        if cmd["cmd"] == "init" and reply.get("ready"):
-            pristine, pristine_ws = reply["state"], snapshot
         reply["runner_s"] = time.monotonic() - t0
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
 
-def serve_one(cmd, pristine, pristine_ws):
+def serve_one(cmd, pristine):
     if cmd["cmd"] == "init":  # the host has extracted the image's workspace: record it
         rc, data = in_agent_child(state, timeout=60)
         rc2, snapshot = in_agent_child(snapshot_workspace, timeout=60)
-        ok = rc == 0 and rc2 == 0
-        return {"ready": ok, "state": json.loads(data) if ok else None, "workspace": snapshot}
-    if pristine is None:
+        rc3, base = in_agent_child(lambda: json.dumps(sorted(changed_paths())).encode(), timeout=60)
+        ok = rc == rc2 == rc3 == 0
+        if ok:
+            pristine.update(state=json.loads(data), workspace=snapshot, baseline=set(json.loads(base)))
+        return {"ready": ok, "state": pristine.get("state")}
+    if not pristine:
         return {"error": "not initialised"}
     if cmd["cmd"] == "grade":
-        return grade(cmd["job"])
+        return grade(cmd["job"], pristine["baseline"])
     if cmd["cmd"] == "reset":
         killed = kill_agent_processes()
-        rc, now = in_agent_child(wipe_and_restore(pristine_ws), timeout=60)
+        rc, now = in_agent_child(wipe_and_restore(pristine["workspace"]), timeout=60)
         now_state = json.loads(now) if rc == 0 else None
-        return {"ok": now_state == pristine, "killed": killed, "state": now_state}
+        return {"ok": now_state == pristine["state"], "killed": killed, "state": now_state}
     return {"error": f"unknown command {cmd['cmd']!r}"}
 
 
