@@ -101,23 +101,6 @@ def remove_leftovers():  # what the test uid wrote in the shared writable places
                 except OSError:
                     pass
 
-def canaries(tests):
-    # per test file: (source to append, {name: (kind, literal)}); "pass" ones return their value
-    out = {}
-    for test_file, names in tests.items():
-        src, expect = "", {}
-        for kind in rng.sample(["fail", "fail", "pass", "pass"], 4):
-            name = "%s_%08x" % (rng.choice(names), rng.getrandbits(32))
-            a, b = rng.getrandbits(60), rng.getrandbits(60) | 1
-            if kind == "fail":
-                src += "\n\ndef %s():\n    assert %d == %d\n" % (name, a, a ^ b)
-            else:
-                src += "\n\ndef %s():\n    value = %d ^ %d\n    assert value == %d\n    return value\n" % (
-                    name, a, b, a ^ b)
-            expect[name] = (kind, a ^ b)
-        out[test_file] = (src, expect)
-    return out
-
 def child(d, plan, secrets, nonce, w):
     for secret in secrets:  # the canaries' expected outcomes stay with the root parent only
         secret.clear()
@@ -157,20 +140,6 @@ def child(d, plan, secrets, nonce, w):
     os.write(w, json.dumps({"nonce": nonce, "tests": out, "values": values}).encode())
     os._exit(0)
 
-def check(report, expect):
-    problems = []
-    for tid, (kind, value) in expect.items():
-        got = report["tests"].get(tid)
-        test_file = tid.split("::")[0]
-        if all(v == "error" for t, v in report["tests"].items() if t.startswith(test_file + "::")):
-            continue  # the module did not load (broken code under test): its tests all error, reward 0
-
-        if kind == "fail" and got != "failed":
-            problems.append("canary %s must fail, got %s" % (tid, got))
-        elif kind == "pass" and (got != "passed" or report.get("values", {}).get(tid) != value):
-            problems.append("canary %s must pass with its nonce value, got %s" % (tid, got))
-    return problems
-
 def grade_one(k, cand):
     t0 = time.monotonic()
     res = {"exit": None, "report": None, "tamper": [], "refused": None, "dropped": [], "note": ""}
@@ -194,17 +163,22 @@ def grade_one(k, cand):
         os.makedirs(os.path.dirname(full), mode=0o755, exist_ok=True)
         with open(full, "wb") as f:
             f.write(body)
-    planted = canaries({p: n for p, n in cand["tests"].items() if p in cand["f2p_files"]})
-    expect, plan = {}, []
+    sources = {}
+    for test_file in cand["tests"]:
+        try:
+            with open(os.path.join(d, test_file), encoding="utf-8", errors="surrogateescape") as f:
+                sources[test_file] = f.read()
+        except OSError:
+            pass
+    planted, expect = plant_canaries(sources, cand["f2p"], rng, record=False)
+    plan = []
     for test_file, names in cand["tests"].items():
-        src, exp = planted.get(test_file, ("", {}))
-        if src:
+        if test_file in planted:
             with open(os.path.join(d, test_file), "a") as f:
-                f.write(src)
-        names = names + sorted(exp)
+                f.write(planted[test_file])
+        names = names + sorted(t.split("::", 1)[1] for t in expect if t.startswith(test_file + "::"))
         rng.shuffle(names)
         plan.append((test_file, names))
-        expect.update({test_file + "::" + n: v for n, v in exp.items()})
     nonce = base64.b16encode(os.urandom(16)).decode()
     r, w = os.pipe()
     pid = os.fork()
@@ -250,8 +224,12 @@ def grade_one(k, cand):
     except ValueError:
         report = None
     if isinstance(report, dict) and report.get("nonce") == nonce and isinstance(report.get("tests"), dict):
-        res["report"] = {"tests": {t: str(v) for t, v in report["tests"].items() if t not in expect}}
-        res["tamper"] = check(report, expect)
+        tests = {str(t): str(v) for t, v in report["tests"].items()}
+        values = report.get("values") if isinstance(report.get("values"), dict) else {}
+        res["report"] = {"tests": {t: v for t, v in tests.items() if t not in expect}}
+        unloaded = {p for p in cand["tests"] if all(v == "error" for t, v in tests.items() if t.startswith(p + "::"))}
+        res["tamper"] = check_canaries(expect, tests, {t: str(v) for t, v in values.items()}, unloaded=unloaded,
+                                       quote=False)
     res["s"] = round(time.monotonic() - t0, 4)
     return res
 
@@ -268,8 +246,8 @@ shutil.rmtree(root, ignore_errors=True)
 sys.stdout.write("\n" + job["marker"] + json.dumps(results) + "\n")
 sys.stdout.flush()
 """
-# The runner's static screen (envs/screen.py, stdlib only) travels ahead of it in one -c source.
-RUNNER_SOURCE = (Path(__file__).parent / "screen.py").read_text() + "\n" + BATCH_RUNNER
+# The runner's canaries and static screen (stdlib only) travel ahead of it in one -c source.
+RUNNER_SOURCE = "\n".join((Path(__file__).parent / f).read_text() for f in ("canaries.py", "screen.py")) + BATCH_RUNNER
 
 
 def _test_plan(task: Task) -> dict[str, list[str]]:
@@ -365,7 +343,7 @@ def grade_batch(
             refused[k] = why
             continue
         cands.append((k, {"files": kept, "copy": _copy_paths(task, kept), "tests": _test_plan(task),
-                          "f2p_files": sorted({t.split("::")[0] for t in task.f2p})}))
+                          "f2p": task.f2p}))
     chunks: list[list[tuple[int, dict]]] = [[]]
     size = 0
     for kc in cands:

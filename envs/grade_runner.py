@@ -14,11 +14,11 @@ attach socket) and answers one JSON line each on stdout, which no other process 
            and returns it with the console output and exit code
   reset -> kill every agent process, wipe the writable places, re-extract the pristine
            workspace, and answer whether the digests equal the pristine ones
-Canaries: random names beside the F2P tests, some that must fail (an asserted inequality whose
-literal the failure message must quote) and some that must pass carrying a value derived from
-this run's nonce (through record_property). Code under test that forges outcomes wholesale,
-strips asserts, swaps test modules or functions, or writes forged records cannot tell them from
-the real tests without reading them; the static screen refuses the tools for doing so.
+Canaries (envs/canaries.py): planted by the child before any code of the workspace runs, their
+plan is the first record on the pipe and is then dropped from the child's memory; this parent
+checks their outcomes. Code under test that forges outcomes, strips asserts, swaps test modules
+or functions, or writes forged records cannot tell them from the real tests without reading
+them; the static screen refuses the usual tools for doing so.
 Not here: deciding the reward (envs/grading.py cross-checks the three sources).
 """
 
@@ -45,8 +45,9 @@ import _pytest.terminal
 import pytest
 
 try:
+    from envs.canaries import check_canaries, plant_canaries
     from envs.screen import screen_source
-except ImportError:  # in a grader container: envs/pool.py sends envs/screen.py's source ahead of this one
+except ImportError:  # in a grader container: envs/pool.py sends both files' source ahead of this one
     pass
 
 WORKSPACE, AGENT = "/workspace", 1000
@@ -56,7 +57,6 @@ AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent", "LAN
 MAX_CONSOLE = 512_000  # console bytes kept (the tail: pytest's summary is at the end)
 FLOOD_CONSOLE = 64 << 20  # past this much console output the run is killed as a flood
 FLOOD_RECORDS = 16 << 20  # a real report of a few thousand tests is far below this
-CANARIES_FAIL, CANARIES_PASS = 2, 2  # per F2P test module
 # Functions that decide or carry a test's outcome; replaced ones (or plugins registered from
 # outside conftest.py files) after collection starts are reported as tampering.
 _OUTCOME_PATH = [(_pytest.runner, "call_and_report"), (_pytest.runner, "runtestprotocol"),
@@ -397,75 +397,26 @@ def prepare(job, baseline):
             subprocess.run(["rm", "-rf", "--", path])
     if job["test_patch"].strip():
         git("apply", "--whitespace=nowarn", "-", stdin=job["test_patch"].encode())
-    for path, source in job["canary_src"].items():
+    sources = {p: _read(p) for p in {t.split("::")[0] for t in job["f2p"]} if os.path.isfile(p)}
+    append, expect = plant_canaries(sources, job["f2p"], random.SystemRandom(), record=True)
+    for path, source in append.items():
         with open(path, "a") as f:
             f.write(source)
+    return expect
 
 
-def make_canaries(f2p):
-    """This run's canaries: ({test module: source to append}, {node id: (kind, literal)}).
-
-    Names extend a real F2P test's name with random hex (they look like its variants); a "fail"
-    canary asserts two different nonce-derived integers equal (its message must quote the first),
-    a "pass" canary records a nonce-derived integer through record_property and asserts it.
-    """
-    rng = random.SystemRandom()
-    by_file = {}
-    for tid in f2p:
-        path, _, rest = tid.partition("::")
-        name = rest.split("::")[-1].split("[")[0]
-        by_file.setdefault(path, []).append(name if name.startswith("test") else "test_" + name)
-    src, expect = {}, {}
-    for path, names in sorted(by_file.items()):
-        kinds = ["fail"] * CANARIES_FAIL + ["pass"] * CANARIES_PASS
-        rng.shuffle(kinds)
-        body = []
-        for kind in kinds:
-            name = f"{rng.choice(names)}_{rng.getrandbits(32):08x}"
-            a, b = rng.getrandbits(60), rng.getrandbits(60) | 1
-            if kind == "fail":
-                body.append(f"\n\ndef {name}():\n    assert {a} == {a ^ b}\n")
-                expect[f"{path}::{name}"] = ("fail", str(a))
-            else:
-                body.append(f"\n\ndef {name}(record_property):\n    value = {a} ^ {b}\n"
-                            f"    record_property('flashpost', value)\n    assert value == {a ^ b}\n")
-                expect[f"{path}::{name}"] = ("pass", str(a ^ b))
-        src[path] = "\n" + "".join(body)
-    return src, expect
-
-
-def check_canaries(expect, records):
-    """What the canaries' records say was forged, suppressed or skipped (empty if they hold)."""
-    calls, unloaded = {}, {r["collect_error"].split("::")[0] for r in records if "collect_error" in r}
-    for r in records:
-        if r.get("nodeid") in expect and r["when"] == "call":
-            calls.setdefault(r["nodeid"], []).append(r)
-    problems = []
-    for nid, (kind, literal) in expect.items():
-        got = calls.get(nid, [])
-        if nid.split("::")[0] in unloaded:
-            continue  # its module did not load (broken code under test): no test of it ran, reward 0
-        if len(got) != 1:
-            problems.append(f"canary {nid} reported {len(got)} times")
-        elif kind == "fail" and (got[0]["outcome"] != "failed" or literal not in got[0]["message"]):
-            problems.append(f"canary {nid} must fail quoting its assertion, got {got[0]['outcome']}")
-        elif kind == "pass" and (got[0]["outcome"] != "passed" or got[0]["props"] != [literal]):
-            problems.append(f"canary {nid} must pass with its nonce value, got {got[0]['outcome']} "
-                            f"{got[0]['props'][:2]}")
-    return problems
-
-
-def run_tests(job, baseline, rec_fd, secret):
+def run_tests(job, baseline, rec_fd):
     def fn():
-        secret.clear()  # the canaries' expected outcomes stay with the root parent only
         os.chdir(WORKSPACE)
         try:
-            prepare(job, baseline)
+            expect = prepare(job, baseline)
         except (RuntimeError, Refused, OSError) as e:
             kind = "refused" if isinstance(e, Refused) else "prepare_failed"
             os.write(rec_fd, (json.dumps({kind: str(e)}) + "\n").encode())
             os._exit(97)
-        job["canary_src"].clear()
+        # The first record, written before any code of the workspace runs; then forgotten here.
+        os.write(rec_fd, (json.dumps({"canaries": expect}) + "\n").encode())
+        expect.clear()
         sys.path.insert(0, WORKSPACE)
         sys.dont_write_bytecode = True
         args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, "-o", "addopts=",
@@ -478,18 +429,17 @@ def run_tests(job, baseline, rec_fd, secret):
 
 
 def grade(job, baseline):
-    canary_src, expect = make_canaries(job["f2p"])
-    job = {**job, "canary_src": canary_src}
     rec_r, rec_w = os.pipe()
     out_r, out_w = os.pipe()
     stop = threading.Event()
     recs = Capped(FLOOD_RECORDS, 0, FLOOD_RECORDS, stop)
     console = Capped(MAX_CONSOLE // 8, MAX_CONSOLE, FLOOD_CONSOLE, stop)
-    rc, _ = in_agent_child(run_tests(job, baseline, rec_w, expect), out_fd=out_w,
+    rc, _ = in_agent_child(run_tests(job, baseline, rec_w), out_fd=out_w,
                            sinks=[(rec_r, recs), (out_r, console)], parent_close=(rec_w, out_w),
                            timeout=job["timeout_s"], stop=stop)
     result = {"prepared": True, "exit_code": rc, "records": [], "conflicts": [], "log": [], "tamper": [],
-              "refused": None, "flood": None, "canaries": sorted(expect)}
+              "refused": None, "flood": None, "canaries": []}
+    expect = None
     if console.flooded or recs.flooded:
         rc = result["exit_code"] = None
         what = "console output" if console.flooded else "report records"
@@ -497,13 +447,18 @@ def grade(job, baseline):
                           f"of {what}; the run was killed"
     elif rc is None:
         result["log"].append(f"pytest timed out after {job['timeout_s']}s")
-    for line in recs.data().decode(errors="replace").splitlines():
+    for n, line in enumerate(recs.data().decode(errors="replace").splitlines()):
         try:
             rec = json.loads(line)
         except ValueError:
             result["conflicts"].append(f"unparseable report record: {line[:200]!r}")
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("prepare_failed"), str) and rc == 97:
+        if isinstance(rec, dict) and "canaries" in rec:
+            if n != 0 or not isinstance(rec["canaries"], dict):
+                result["tamper"].append("a canary plan record that the runner did not write first")
+            else:
+                expect = {k: tuple(v) for k, v in rec["canaries"].items()}
+        elif isinstance(rec, dict) and isinstance(rec.get("prepare_failed"), str) and rc == 97:
             result["prepared"] = False
             result["log"].append(rec["prepare_failed"])
         elif isinstance(rec, dict) and isinstance(rec.get("refused"), str) and rc == 97:
@@ -515,10 +470,19 @@ def grade(job, baseline):
             result["records"].append(rec)
         else:
             result["conflicts"].append(f"malformed report record: {line[:200]!r}")
-    if result["prepared"] and result["flood"] is None and rc is not None:
-        result["tamper"] += check_canaries(expect, result["records"])
     status, conflicts = statuses(result["records"])
     result["conflicts"] += conflicts
+    if result["prepared"] and result["flood"] is None and rc is not None:
+        if expect is None:
+            result["tamper"].append("the canary plan record is missing")
+        else:
+            result["canaries"] = sorted(expect)
+            evidence = {}
+            for r in result["records"]:
+                if "nodeid" in r and r["when"] == "call":
+                    evidence[r["nodeid"]] = r["message"] if r["outcome"] == "failed" else "|".join(r["props"])
+            unloaded = {r["collect_error"].split("::")[0] for r in result["records"] if "collect_error" in r}
+            result["tamper"] += check_canaries(expect, status, evidence, unloaded=unloaded)
     return {"result": result, "junit": junit_xml(status, result["records"]),
             "console": console.data().decode(errors="replace")}
 

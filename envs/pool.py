@@ -22,9 +22,8 @@ from pathlib import Path
 from envs import engine
 from envs.sandbox import Sandbox, SandboxLimits
 
-# The runner's static screen (envs/screen.py, stdlib only) travels ahead of it in one -c source.
-RUNNER_SRC = (Path(__file__).parent / "screen.py").read_text() + "\n" + \
-    (Path(__file__).parent / "grade_runner.py").read_text()
+# The runner's canaries and static screen (stdlib only) travel ahead of it in one -c source.
+RUNNER_SRC = "\n".join((Path(__file__).parent / f).read_text() for f in ("canaries.py", "screen.py", "grade_runner.py"))
 
 GRADER_LIMITS = SandboxLimits(memory="1g", pids=256, cpus=1.0, lifetime_s=6 * 3600)
 

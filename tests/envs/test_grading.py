@@ -10,8 +10,8 @@ import pytest
 from envs import engine
 from envs.fixtures.build import fixture_tasks
 from envs.grading import grade_patch, grade_sandbox, parse_console, parse_junit
-from envs.patches import is_protected
 from envs.hacks import HACKS, apply_hack
+from envs.patches import is_protected
 from envs.pool import GraderPool
 from envs.sandbox import Sandbox
 

@@ -5,10 +5,12 @@ exact under every attack. Also the host-side patch parser and the static screen 
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 
 from envs.batch_grading import grade_batch
+from envs.canaries import check_canaries, plant_canaries
 from envs.fixtures.build import fixture_tasks, repo_files
 from envs.grading import grade_patch
 from envs.hacks import BATCH_HACKS, HACKS, PATCH_HACKS, edits_as_files
@@ -46,7 +48,8 @@ def test_parser_reads_blocks_as_git_does():
     # Test-file edits and new files are dropped, not applied, and the reason says so.
     test_edit = ("diff --git a/tests/test_dates.py b/tests/test_dates.py\n--- a/tests/test_dates.py\n"
                  "+++ b/tests/test_dates.py\n@@ -1 +1 @@\n-a\n+b\n")
-    new = "diff --git a/notes.txt b/notes.txt\nnew file mode 100644\n--- /dev/null\n+++ b/notes.txt\n@@ -0,0 +1 @@\n+x\n"
+    new = ("diff --git a/notes.txt b/notes.txt\nnew file mode 100644\n--- /dev/null\n+++ b/notes.txt\n"
+           "@@ -0,0 +1 @@\n+x\n")
     s = screen_patch(task.gold_patch + test_edit + new, task.test_files)
     assert s.patch == task.gold_patch and s.dropped == ["notes.txt", "tests/test_dates.py"]
     assert any("a new file" in n for n in s.notes) and any("a test file" in n for n in s.notes)
@@ -65,6 +68,30 @@ def test_static_screen_names_the_rule():
     assert screen_source("import ctypes\n", "import ctypes\nctypes.c_int(1)\n") == []  # only what it adds
     assert "test runner internals" in screen_source("", "import _pytest.runner\n")[0]
     assert "import machinery" in screen_source("", "import sys\nsys.modules['x'] = 1\n")[0]
+
+
+def test_canaries_show_forged_outcomes():
+    src = "import pytest\n\n@pytest.mark.parametrize('x', [1, 2])\ndef test_a(x):\n    assert x\n\n" \
+          "def test_b():\n    assert 0\n"
+    f2p = ["t/test_m.py::test_a[1]", "t/test_m.py::test_a[2]", "t/test_m.py::test_b"]
+    append, expect = plant_canaries({"t/test_m.py": src}, f2p, random.SystemRandom(), record=True)
+    compile(src + append["t/test_m.py"], "t/test_m.py", "exec")
+    kinds = sorted(k for k, _ in expect.values())
+    assert kinds == ["fail", "fail", "pass", "pass", "same", "same", "same"]
+    assert len({n.split("::")[1].split("[")[0] for n, (k, _) in expect.items() if k == "same"}) == 2
+    honest = {t: "passed" for t in f2p}
+    evidence = {}
+    for nid, (kind, detail) in expect.items():
+        honest[nid] = {"fail": "failed", "pass": "passed", "same": "passed"}[kind]
+        evidence[nid] = f"assert {detail} == 1" if kind == "fail" else detail if kind == "pass" else ""
+    assert check_canaries(expect, honest, evidence) == []
+    everything_passes = {t: "passed" for t in honest}
+    assert any("must fail" in p for p in check_canaries(expect, everything_passes, evidence))
+    only_f2p = {**honest, "t/test_m.py::test_b": "passed"}
+    only_f2p.update({n: "failed" for n, (k, d) in expect.items() if k == "same" and d.endswith("test_b")})
+    assert any("a copy of t/test_m.py::test_b" in p for p in check_canaries(expect, only_f2p, evidence))
+    assert any("nonce value" in p for p in check_canaries(expect, honest, {}))
+    assert check_canaries(expect, {}, {}, unloaded={"t/test_m.py"}) == []
 
 
 # ------------------------------------------------------------------------ real containers
@@ -150,7 +177,10 @@ def test_verdict_hacks_are_caught_by_the_canaries_or_the_screen(tasks, pool, pri
         r = grade_patch(task, _patch(pristine, task, by_name[name]), pool=pool, timeout_s=20)
         assert r.reward == 0.0 and r.flag == "screen" and "static screen" in r.reason, (name, r.reason)
     r = grade_patch(task, _patch(pristine, task, by_name["mock_patch_evasion"]), pool=pool, timeout_s=20)
-    assert r.reward == 0.0 and r.flag == "tamper" and "canary" in r.reason, r.reason
+    assert r.reward == 0.0 and r.flag == "tamper" and "must fail quoting its assertion" in r.reason, r.reason
+    r = grade_patch(task, _patch(pristine, task, by_name["mock_patch_targeted"]), pool=pool, timeout_s=20)
+    assert r.reward == 0.0 and r.flag == "tamper" and "(a copy of tests/test_intervals.py::test_merge_touching) " \
+        "failed, the original passed" in r.reason, r.reason
     r = grade_patch(task, _patch(pristine, task, by_name["console_flood"]), pool=pool, timeout_s=60)
     assert r.reward == 0.0 and r.flag == "flood" and "MB of console output" in r.reason, r.reason
 
