@@ -138,15 +138,15 @@ def decide(task: Task, out: dict, dropped: list[str], t0: float) -> GradeResult:
         return result(f"patch refused in the grader: {res['refused']}"[:2000], flag=flag)
     if not res["prepared"]:
         return result("the patch or the task's tests could not be applied: " + " | ".join(res["log"])[-1000:])
-    if res["tamper"]:
-        return result("tamper detected (the test run's report cannot be trusted): "
-                      + "; ".join(res["tamper"])[:1500], flag="tamper")
     if out["junit"] is None:
         return result("no JUnit report")
     junit = parse_junit(out["junit"].encode())
     canaries = set(res["canaries"])
     tests = {tid: junit.get(tid, "missing") for tid in task.test_ids}
     tests.update({k: v for k, v in junit.items() if k not in tests and k not in canaries})
+    if res["tamper"]:  # the statuses stay for the factory's flake counts; the reward is 0
+        return result("tamper detected (the test run's report cannot be trusted): "
+                      + "; ".join(res["tamper"])[:1500], tests, flag="tamper")
     finish = [r["finish"] for r in res["records"] if "finish" in r]
     collect_errors = [r for r in res["records"] if "collect_error" in r]
     console = parse_console(out["console"])
