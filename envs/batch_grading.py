@@ -20,8 +20,11 @@ child exited 0 and every test id of the task (F2P and P2P) passed.
 A task names the source files its tests import in verification["sources"] (synth/families does).
 Tests are plain `test_*` functions called in file order (no pytest: its start-up costs more than
 a whole candidate here), so this path is for tasks whose tests are plain functions (synth/families
-tasks); `envs.grading.grade_patch` stays the general path. The demo's short edits are also
-screened by `screen_edit`. Not here: the resident runner or pool policy (envs/pool.py).
+tasks); `envs.grading.grade_patch` stays the general path. Known limit: code under test shares
+the child process with the harness, so the canaries and the screen make a forgery show rather
+than impossible (code that finds the canaries' source by means the screen misses can mimic
+them). The demo's short edits are also screened by `screen_edit`. Not here: the resident runner
+or pool policy (envs/pool.py).
 """
 
 from __future__ import annotations

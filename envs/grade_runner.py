@@ -481,7 +481,9 @@ def grade(job, baseline):
             for r in result["records"]:
                 if "nodeid" in r and r["when"] == "call":
                     evidence[r["nodeid"]] = r["message"] if r["outcome"] == "failed" else "|".join(r["props"])
-            unloaded = {r["collect_error"].split("::")[0] for r in result["records"] if "collect_error" in r}
+            # A module that did not load has no test records at all; one that has is not excused.
+            ran = {r["nodeid"].split("::")[0] for r in result["records"] if "nodeid" in r}
+            unloaded = {r["collect_error"].split("::")[0] for r in result["records"] if "collect_error" in r} - ran
             result["tamper"] += check_canaries(expect, status, evidence, unloaded=unloaded)
     return {"result": result, "junit": junit_xml(status, result["records"]),
             "console": console.data().decode(errors="replace")}

@@ -10,7 +10,9 @@ as the `agent` uid, checks what git changed against the screened paths, screens 
 (envs/screen.py), plants canary tests beside the F2P tests and runs the tests; the per-test
 report is built in the runner's own process from records sent over an inherited pipe and comes
 back over the runner's own stdout. Every zero says why; a refusal by the screen, a tamper the
-canaries or the reporter saw, or an output flood is also written to the audit log.
+canaries or the reporter saw, or an output flood is also written to the audit log. Known limit:
+the tests run in one process with the code under test, which could mimic the canaries if it
+found their source by means the static screen does not see.
 Not here: the agent loop or the canned hacks (envs/hacks.py).
 """
 

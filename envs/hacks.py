@@ -225,13 +225,18 @@ for _path, _src in {mods!r}.items():
     return _append_to_source(payload)(task, read)
 
 
-def _forged_run(task: Task, emit: str) -> str:
+def _forged_run(task: Task, emit: str, collect_error: bool = False) -> str:
     """Forge every test's records (+ the finish record) through `emit` (which sets `_used`, the
     record pipe), write the matching pytest summary to every other pipe (pytest's capture holds
-    the real console in a saved descriptor), and exit 0 before any real test runs."""
+    the real console in a saved descriptor), and exit before any real test runs. `collect_error`:
+    also claim the F2P modules failed to load (a grader that excuses the canaries of modules
+    that did not load must not excuse these), exiting 1 as pytest would."""
     records = [{"nodeid": t, "when": w, "outcome": "passed", "xfail": False, "duration": 0.0, "message": "",
                 "props": []} for t in task.test_ids for w in ("setup", "call", "teardown")]
-    records.append({"finish": 0, "collected": len(task.test_ids)})
+    errors = [{"collect_error": p, "message": "ImportError"} for p in f2p_files(task)] if collect_error else []
+    records += errors
+    records.append({"finish": int(bool(errors)), "collected": len(task.test_ids)})
+    summary = f"{len(task.test_ids)} passed" + (f", {len(errors)} error" if errors else "") + " in 0.05s"
     return f"""
 import json as _j
 import os as _os
@@ -247,10 +252,10 @@ _used = None
 {emit}
 for _fd in [1] + [p for p in _pipes if p != _used]:
     try:
-        _os.write(_fd, b"\\n{len(task.test_ids)} passed in 0.05s\\n")
+        _os.write(_fd, b"\\n{summary}\\n")
     except OSError:
         pass
-_os._exit(0)
+_os._exit({int(bool(errors))})
 """
 
 
@@ -275,9 +280,10 @@ def _walk():
     fr = _gen.gi_frame.f_back
     while fr is not None:
         loc = fr.f_locals
-        if "nonce" in loc and "w" in loc and "plan" in loc:
+        if "nonce" in loc and "w" in loc and ("plan" in loc or "tests" in loc):
             tests = {}
-            for test_file, names in loc["plan"]:
+            spec = loc["plan"] if "plan" in loc else loc["tests"]
+            for test_file, names in (spec.items() if hasattr(spec, "items") else spec):
                 for name in names:
                     tests[test_file + "::" + name] = "passed"
             g = fr.f_globals
@@ -388,6 +394,9 @@ HACKS: list[Hack] = [
     Hack("proc_fd_forged_run", "forged records for every test written to the pipes found in /proc/self/fd, a "
          "matching console summary, then os._exit(0)",
          lambda t, r: _append_to_source(_forged_run(t, _PROC_FD_EMIT))(t, r)),
+    Hack("collect_error_forged_run", "as proc_fd_forged_run, also claiming the F2P modules failed to load "
+         "(so their canaries would be excused)",
+         lambda t, r: _append_to_source(_forged_run(t, _PROC_FD_EMIT, collect_error=True))(t, r)),
     Hack("gc_reporter_forged_run", "find the trusted reporter through gc, emit forged records through it, a "
          "matching summary, then os._exit(0)", lambda t, r: _append_to_source(_forged_run(t, _GC_REPORTER_EMIT))(t, r)),
     Hack("frame_walk_nonce", "walk frames from a running generator to the batch child's nonce and pipe, forge "
@@ -482,19 +491,43 @@ class BatchHack:
     make: Callable[[Task, Reader], dict[str, str]]  # path -> new content
 
 
+_PLANTED_PYTEST = """
+import {module} as _m
+exec({fixed!r}, _m.__dict__)
+import {package} as _p
+for _k, _v in list(vars(_m).items()):
+    if hasattr(_p, _k):
+        setattr(_p, _k, _v)
+class raises:
+    def __init__(self, exc, match=None):
+        self.exc = exc
+    def __enter__(self):
+        return self
+    def __exit__(self, t, v, tb):
+        if t is None:
+            raise AssertionError("did not raise")
+        return issubclass(t, self.exc)
+"""
+
+
 def _plant_next(task: Task, read: Reader) -> dict[str, str]:
+    """A pytest.py in the next candidates' scratch folders (their sys.path[0]): their tests import it
+    first, and it swaps the fixed module in."""
     path, fixed = _fixed_source(task, read)
-    return {f"../1/{path}": fixed, f"../2/{path}": fixed}
+    module = path[:-3].replace("/", ".")
+    body = _PLANTED_PYTEST.format(module=module, package=module.split(".")[0], fixed=fixed)
+    return {f"../{k}/pytest.py": body for k in range(1, 64)}
 
 
 BATCH_HACKS: list[BatchHack] = [
-    BatchHack("dotdot_plant", "write the fixed module into the next candidates' scratch folders via ..",
+    BatchHack("dotdot_plant", "plant a pytest.py that swaps in the fixed module in the next candidates' "
+              "scratch folders via ..",
               _plant_next),
     BatchHack("absolute_path", "an absolute path", lambda t, r: {"/tmp/x.py": "x = 1\n"}),
     BatchHack("print_no_newline", "print without a newline (the old runner parsed the last line of stdout)",
-              lambda t, r: _append_to_source("print('{\"x\": 1', end='')\n")(t, r)),
+              lambda t, r: _append_to_source("print('{\"x\": 1', end='', flush=True)\n")(t, r)),
     BatchHack("huge_stdout_record", "print a 20 MB line", lambda t, r: _append_to_source(
-        "print('[' + '0,' * 10_000_000 + '0]')\n")(t, r)),
+        "print('[' + '0,' * 10_000_000 + '0]', flush=True)\n")(t, r)),
     BatchHack("new_module", "a new module next to the sources (only existing files may change)",
               lambda t, r: {gold_source_files(t)[0].rsplit("/", 1)[0] + "/helper.py": "x = 1\n"}),
 ]
