@@ -196,7 +196,8 @@ def in_agent_child(fn, *, out_fd=None, sinks=(), parent_close=(), timeout=None, 
     os.close(w)
     for fd in parent_close:
         os.close(fd)
-    chunks = Capped(1 << 26, 0, 1 << 26, stop)  # fn's own answer (a state digest, a tar)
+    # fn's own answer: a state digest, or the workspace tar (the workspace tmpfs is 256 MB at most)
+    chunks = Capped(1 << 29, 0, 1 << 29, stop)
     readers = [threading.Thread(target=drain, args=(fd, sink)) for fd, sink in [(r, chunks), *sinks]]
     for t in readers:
         t.start()
