@@ -20,11 +20,12 @@ import ast
 SCREEN_RULES = {
     "test runner internals": {"import:pytest", "import:_pytest", "import:pluggy", "import:__main__",
                               "name:__main__", "str:__main__", "str:_pytest", "str:pluggy", "attr:hookimpl",
-                              "attr:pluginmanager", "str:pytest"},
+                              "attr:pluginmanager", "str:pytest", "import:unittest", "attr:mock"},
     "import machinery": {"mod:sys.modules", "attr:meta_path", "attr:path_hooks", "attr:path_importer_cache",
                          "import:importlib", "import:imp", "import:zipimport", "import:runpy", "import:pkgutil",
                          "name:__import__", "import:builtins", "name:__builtins__", "attr:__builtins__",
-                         "str:builtins", "str:meta_path"},
+                         "str:builtins", "str:meta_path", "attr:__import__", "attr:__self__", "attr:__loader__",
+                         "attr:__spec__"},
     "frame or object-graph walking": {"attr:_getframe", "mod:sys.exc_info", "attr:f_back", "attr:f_locals",
                                       "attr:f_globals",
                                       "attr:f_code", "attr:f_trace", "attr:tb_frame", "attr:tb_next", "attr:gi_frame",
@@ -35,7 +36,7 @@ SCREEN_RULES = {
                                       "str:_getframe", "str:f_back", "str:f_locals"},
     "dynamic code": {"name:exec", "name:eval", "name:compile", "call:getattr", "call:setattr", "call:delattr",
                      "attr:CodeType", "attr:FunctionType", "import:marshal", "import:pickle", "import:code",
-                     "import:codeop"},
+                     "import:codeop", "attr:attrgetter", "attr:methodcaller", "name:getattr", "name:setattr"},
     "/proc, /dev or raw file descriptors": {"str:/proc", "str:/dev/", "str:/sys/", "mod:os.dup", "mod:os.dup2",
                                             "attr:fdopen", "mod:os.pipe", "attr:openpty", "mod:os.write",
                                             "mod:os.open", "mod:os.read", "mod:os.writev", "mod:os.sendfile",
@@ -65,6 +66,10 @@ def source_tokens(source: str) -> set[str]:
         return set()
     tokens: set[str] = set()
     aliases = dict(_QUALIFIED)  # local name -> screened module
+    # getattr & co. called with a literal name are plain attribute access; passed around as values
+    # (functools.reduce(getattr, ...)) or called with a computed name they are not.
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("getattr", "setattr", "delattr")}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -82,7 +87,7 @@ def source_tokens(source: str) -> set[str]:
             tokens.add("attr:" + node.attr)
             if isinstance(node.value, ast.Name) and node.value.id in aliases:
                 tokens.add(f"mod:{aliases[node.value.id]}.{node.attr}")
-        elif isinstance(node, ast.Name):
+        elif isinstance(node, ast.Name) and id(node) not in called:
             tokens.add("name:" + node.id)
         elif isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
             text = node.value if isinstance(node.value, str) else node.value.decode("latin-1")

@@ -4,6 +4,7 @@ exact under every attack. Also the host-side patch parser and the static screen 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -13,7 +14,7 @@ from envs.batch_grading import grade_batch
 from envs.canaries import check_canaries, plant_canaries
 from envs.fixtures.build import fixture_tasks, repo_files
 from envs.grading import grade_patch
-from envs.hacks import BATCH_HACKS, HACKS, PATCH_HACKS, edits_as_files
+from envs.hacks import BATCH_HACKS, HACKS, PATCH_HACKS, edits_as_files, gold_source_files
 from envs.patches import parse_patch, screen_patch
 from envs.pool import GraderPool
 from envs.sandbox import Sandbox
@@ -173,16 +174,40 @@ def test_verdict_hacks_are_caught_by_the_canaries_or_the_screen(tasks, pool, pri
     by_name = {h.name: h for h in HACKS}
     for name in ("runner_hook_swap", "main_check_off", "conftest_named_plugin", "meta_path_assert_strip",
                  "meta_path_code_swap", "builtins_import_swap", "fake_sys_modules", "proc_fd_forged_run",
-                 "gc_reporter_forged_run"):
+                 "gc_reporter_forged_run", "collect_error_forged_run", "mock_patch_evasion", "mock_patch_targeted"):
         r = grade_patch(task, _patch(pristine, task, by_name[name]), pool=pool, timeout_s=20)
         assert r.reward == 0.0 and r.flag == "screen" and "static screen" in r.reason, (name, r.reason)
-    r = grade_patch(task, _patch(pristine, task, by_name["mock_patch_evasion"]), pool=pool, timeout_s=20)
-    assert r.reward == 0.0 and r.flag == "tamper" and "must fail quoting its assertion" in r.reason, r.reason
-    r = grade_patch(task, _patch(pristine, task, by_name["mock_patch_targeted"]), pool=pool, timeout_s=20)
-    assert r.reward == 0.0 and r.flag == "tamper" and "(a copy of tests/test_intervals.py::test_merge_touching) " \
-        "failed, the original passed" in r.reason, r.reason
     r = grade_patch(task, _patch(pristine, task, by_name["console_flood"]), pool=pool, timeout_s=60)
     assert r.reward == 0.0 and r.flag == "flood" and "MB of console output" in r.reason, r.reason
+
+
+# The in-process attacks, planted through the task's own (trusted, unscreened) hidden test patch
+# into the first test module pytest imports: only the canaries stand between them and the verdict.
+_CANARY_ONLY = {"runner_hook_swap": "must fail", "main_check_off": "must fail", "conftest_named_plugin": "must fail",
+                "meta_path_assert_strip": "must fail", "meta_path_code_swap": "must", "builtins_import_swap": "must",
+                "fake_sys_modules": "missing", "mock_patch_evasion": "must fail",
+                "mock_patch_targeted": "(a copy of tests/test_intervals.py::test_merge_touching) failed, the original "
+                                       "passed", "proc_fd_forged_run": "missing", "gc_reporter_forged_run": "missing",
+                "collect_error_forged_run": "missing"}
+
+
+@docker
+@pytest.mark.parametrize("name", sorted(_CANARY_ONLY))
+def test_canaries_alone_catch_in_process_forgeries(tasks, pool, pristine, name):
+    task = tasks[0]
+    source = gold_source_files(task)[0]
+    payload = next(h for h in HACKS if h.name == name).make(task, pristine)[source][len(pristine(source)):]
+    host = "tests/test_dates.py"  # collected first; it imports the module under test
+    lines = pristine(host).splitlines()
+    add = payload.splitlines()
+    test_patch = (f"diff --git a/{host} b/{host}\n--- a/{host}\n+++ b/{host}\n"
+                  f"@@ -{len(lines)},1 +{len(lines)},{1 + len(add)} @@\n {lines[-1]}\n"
+                  + "".join(f"+{x}\n" for x in add))
+    planted = dataclasses.replace(task, test_patch=test_patch)
+    r = grade_patch(planted, "", pool=pool, timeout_s=20)
+    assert r.reward == 0.0 and r.flag == "tamper", (name, r.reason)
+    assert _CANARY_ONLY[name] in r.reason, (name, r.reason)
+    assert grade_patch(dataclasses.replace(task, test_patch=""), task.gold_patch, pool=pool).reward == 1.0
 
 
 @docker
