@@ -1,23 +1,30 @@
 """Batch grading: many candidate file sets (a GRPO group, or candidates for many tasks of one image)
 graded in ONE exec of a warm pristine grader container from envs.pool.GraderPool.
 
-The host filters each candidate's files like envs/grading.py filters a patch (test files, pytest
-config, conftest, site files... are dropped), then runs `BATCH_RUNNER` once as root in the
-grader. The runner reads every pristine file it needs from /workspace into memory before any
-candidate runs, then for each candidate in turn: writes a fresh copy (root-owned, read-only to
-the agent) under /tmp, forks a child that drops to the `agent` uid (no groups, rlimits, its own
-session, no bytecode) and runs the candidate's test functions, waits at most `timeout_s`, and
-then SIGKILLs every process of the agent uid, so nothing one candidate leaves behind can touch
-the next. Reward 1 iff every test id of the task (F2P and P2P) passed, the child exited 0 and its
-report carried the per-candidate nonce. After the batch the pool resets the grader as usual.
+The host normalises and screens each candidate's paths like envs/patches.py screens a patch
+(absolute, `..`, odd or auto-loaded paths refuse the candidate; test files are dropped), then
+runs `BATCH_RUNNER` once as root in the grader. The runner reads every pristine file it needs
+from /workspace into memory before any candidate runs, then for each candidate in turn: drops
+new files (only existing ones may change), screens its changed Python with envs/screen.py
+(sent ahead of the runner), writes a fresh private copy (root-owned, read-only to the test uid)
+under /tmp with this candidate's canary tests appended to its F2P test files, forks a child
+that drops to `RUN_UID` (owns nothing: it cannot write /workspace, the copies or the runner's
+files; no groups, rlimits, its own session, stdin/stdout/stderr on /dev/null, only its own
+result pipe open) and runs the candidate's tests and canaries in a shuffled order, reads at most
+`MAX_REPORT` bytes of its report, waits at most `timeout_s`, then SIGKILLs every process of the
+test uids and removes whatever they left, so nothing one candidate does can reach the next or
+the answer. The answer is one line on the runner's stdout behind a marker only the host knows.
+Reward 1 iff the report carried the per-candidate nonce, every canary came out as planted, the
+child exited 0 and every test id of the task (F2P and P2P) passed.
 
 A task names the source files its tests import in verification["sources"] (synth/families does).
 Tests are plain `test_*` functions called in file order (no pytest: its start-up costs more than
 a whole candidate here), so this path is for tasks whose tests are plain functions (synth/families
 tasks); `envs.grading.grade_patch` stays the general path. Known limit: code under test shares
-the child process with the harness (as it does with pytest's plugin in the resident runner), so a
-candidate that executes arbitrary code could forge its report; the demo's short edits are also
-screened by `screen_edit`. Not here: the resident runner or pool policy (envs/pool.py).
+the child process with the harness, so the canaries and the screen make a forgery show rather
+than impossible (code that finds the canaries' source by means the screen misses can mimic
+them). The demo's short edits are also screened by `screen_edit`. Not here: the resident runner
+or pool policy (envs/pool.py).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
-from envs.grading import is_protected
+from envs.grading import audit
+from envs.patches import is_test_path, path_problem
 from envs.pool import GraderLost, GraderPool
 from envs.task import Task
 
@@ -60,8 +68,9 @@ def screen_edit(old_source: str, new_source: str) -> str | None:
 
 
 BATCH_RUNNER = r"""
-import base64, json, os, resource, select, shutil, signal, sys, time
-AGENT = 1000
+import base64, json, os, random, resource, select, shutil, signal, stat, sys, time
+AGENT, RUN_UID = 1000, 1001
+MAX_REPORT = 1 << 20
 job = json.loads(base64.b64decode(sys.argv[1]))
 pristine = {}
 for path in job["read"]:
@@ -72,69 +81,118 @@ for path in job["read"]:
         pristine[path] = None
 root = job["scratch"]
 os.makedirs(root, mode=0o755, exist_ok=True)
+rng = random.SystemRandom()
 
-def kill_agent():
+def kill_test_uids():
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                if os.stat("/proc/" + name).st_uid == AGENT:
+                if os.stat("/proc/" + name).st_uid in (AGENT, RUN_UID):
                     os.kill(int(name), signal.SIGKILL)
             except OSError:
                 pass
 
-def child(d, tests, nonce, w):
+def remove_leftovers():  # what the test uid wrote in the shared writable places
+    for top in ("/tmp", "/dev/shm", "/home/agent"):
+        for dirpath, dirnames, filenames in os.walk(top, topdown=False):
+            for name in filenames + dirnames:
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(path)
+                    if st.st_uid == RUN_UID:
+                        os.rmdir(path) if stat.S_ISDIR(st.st_mode) else os.unlink(path)
+                except OSError:
+                    pass
+
+def child(d, plan, secrets, nonce, w):
+    for secret in secrets:  # the canaries' expected outcomes stay with the root parent only
+        secret.clear()
     os.setsid()
-    os.setgroups([]); os.setgid(AGENT); os.setuid(AGENT)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, w)
+    os.closerange(w + 1, 1 << 16)
+    os.setgroups([]); os.setgid(RUN_UID); os.setuid(RUN_UID)
     resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
     resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     os.chdir(d)
     sys.path[:0] = [d]
     sys.dont_write_bytecode = True
-    out = {}
-    for test_file, names in tests.items():
+    out, values = {}, {}
+    for test_file, names in plan:
         ns = {"__name__": "batch_test"}
         try:
             with open(test_file) as f:
                 exec(compile(f.read(), test_file, "exec"), ns)
-        except BaseException as e:
+        except BaseException:
             for name in names:
                 out[test_file + "::" + name] = "error"
             continue
         for name in names:
             try:
-                ns[name]()
+                ret = ns[name]()
                 out[test_file + "::" + name] = "passed"
+                if type(ret) is int:
+                    values[test_file + "::" + name] = ret
             except AssertionError:
                 out[test_file + "::" + name] = "failed"
             except BaseException:
                 out[test_file + "::" + name] = "error"
-    os.write(w, json.dumps({"nonce": nonce, "tests": out}).encode())
+    os.write(w, json.dumps({"nonce": nonce, "tests": out, "values": values}).encode())
     os._exit(0)
 
-results = []
-for k, cand in enumerate(job["candidates"]):
+def grade_one(k, cand):
     t0 = time.monotonic()
+    res = {"exit": None, "report": None, "tamper": [], "refused": None, "dropped": [], "note": ""}
+    files = {}
+    for path, body in cand["files"].items():
+        if pristine.get(path) is None:
+            res["dropped"].append(path)  # a new file: only existing files may change
+            continue
+        if path.endswith(".py"):
+            hits = screen_source(pristine[path].decode("utf-8", "surrogateescape"), body)
+            if hits:
+                res["refused"] = "the static screen refuses the changed code: %s: %s" % (path, "; ".join(hits))
+                return res
+        files[path] = body.encode()
     d = "%s/%d" % (root, k)
     for path in cand["copy"]:
-        body = cand["files"][path].encode() if path in cand["files"] else pristine[path]
+        body = files[path] if path in files else pristine.get(path)
         if body is None:
             continue
         full = os.path.join(d, path)
         os.makedirs(os.path.dirname(full), mode=0o755, exist_ok=True)
         with open(full, "wb") as f:
             f.write(body)
-    nonce = base64.b16encode(os.urandom(8)).decode()
+    sources = {}
+    for test_file in cand["tests"]:
+        try:
+            with open(os.path.join(d, test_file), encoding="utf-8", errors="surrogateescape") as f:
+                sources[test_file] = f.read()
+        except OSError:
+            pass
+    planted, expect = plant_canaries(sources, cand["f2p"], rng, record=False)
+    plan = []
+    for test_file, names in cand["tests"].items():
+        if test_file in planted:
+            with open(os.path.join(d, test_file), "a") as f:
+                f.write(planted[test_file])
+        names = names + sorted(t.split("::", 1)[1] for t in expect if t.startswith(test_file + "::"))
+        rng.shuffle(names)
+        plan.append((test_file, names))
+    nonce = base64.b16encode(os.urandom(16)).decode()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            child(d, cand["tests"], nonce, w)
+            child(d, plan, (expect, planted), nonce, w)
         finally:
             os._exit(3)
     os.close(w)
-    data, deadline, status = b"", t0 + job["timeout_s"], None
+    data, deadline, code = b"", t0 + job["timeout_s"], None
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([r], [], [], left)[0]:
@@ -143,10 +201,13 @@ for k, cand in enumerate(job["candidates"]):
         if not chunk:
             break
         data += chunk
+        if len(data) > MAX_REPORT:
+            res["note"] = "report over %d bytes" % MAX_REPORT
+            break
     os.close(r)
     while True:  # EOF comes as the child exits; give it until the deadline to be reaped
         done, code = os.waitpid(pid, os.WNOHANG)
-        if done or time.monotonic() > deadline:
+        if done or time.monotonic() > deadline or res["note"]:
             break
         time.sleep(0.0005)
     if not done:
@@ -157,19 +218,39 @@ for k, cand in enumerate(job["candidates"]):
         os.killpg(pid, signal.SIGKILL)  # the child's session: whatever it left behind
     except OSError:
         pass
-    if job["sweep"]:  # in a grader container: every process of the agent uid, escaped sessions too
-        kill_agent()
+    if job["sweep"]:  # in a grader container: every process of the test uids, escaped sessions too
+        kill_test_uids()
+        remove_leftovers()
+    res["exit"] = None if code is None else os.waitstatus_to_exitcode(code)
     try:
-        report = json.loads(data) if data else None
+        report = json.loads(data) if data and not res["note"] else None
     except ValueError:
         report = None
-    results.append({"exit": None if code is None else os.waitstatus_to_exitcode(code),
-                    "report": report, "nonce": nonce, "s": round(time.monotonic() - t0, 4)})
+    if isinstance(report, dict) and report.get("nonce") == nonce and isinstance(report.get("tests"), dict):
+        tests = {str(t): str(v) for t, v in report["tests"].items()}
+        values = report.get("values") if isinstance(report.get("values"), dict) else {}
+        res["report"] = {"tests": {t: v for t, v in tests.items() if t not in expect}}
+        unloaded = {p for p in cand["tests"] if all(v == "error" for t, v in tests.items() if t.startswith(p + "::"))}
+        res["tamper"] = check_canaries(expect, tests, {t: str(v) for t, v in values.items()}, unloaded=unloaded,
+                                       quote=False)
+    res["s"] = round(time.monotonic() - t0, 4)
+    return res
+
+results = []
+for k, cand in enumerate(job["candidates"]):
+    try:
+        results.append(grade_one(k, cand))
+    except Exception as e:  # one candidate's failure is its own zero, never the batch's
+        results.append({"exit": None, "report": None, "tamper": [], "refused": None, "dropped": [],
+                        "note": "runner error: %s: %s" % (type(e).__name__, e)})
 # The scratch tree is root's: the pool's reset wipes /tmp as `agent` and could not remove it, so
 # the grader would fail its pristine check and be replaced by a fresh one (~1 s) after every batch.
 shutil.rmtree(root, ignore_errors=True)
-print(json.dumps(results))
+sys.stdout.write("\n" + job["marker"] + json.dumps(results) + "\n")
+sys.stdout.flush()
 """
+# The runner's canaries and static screen (stdlib only) travel ahead of it in one -c source.
+RUNNER_SOURCE = "\n".join((Path(__file__).parent / f).read_text() for f in ("canaries.py", "screen.py")) + BATCH_RUNNER
 
 
 def _test_plan(task: Task) -> dict[str, list[str]]:
@@ -192,18 +273,50 @@ def _copy_paths(task: Task, files: dict[str, str]) -> list[str]:
 
 
 def _decide(task: Task, out: dict, dropped: list[str]) -> BatchGrade:
+    def zero(reason: str, tests: dict | None = None, flag: str = "") -> BatchGrade:
+        if flag:
+            audit(task, flag, reason)
+        return BatchGrade(0.0, tests or {}, reason, dropped)
+
+    dropped = sorted(set(dropped) | set(out.get("dropped", [])))
     report = out.get("report")
+    if out.get("refused"):
+        return zero(f"candidate refused in the grader: {out['refused']}", flag="screen")
+    if out.get("note"):
+        return zero(f"no valid report ({out['note']})", flag="flood" if "bytes" in out["note"] else "")
     if out.get("exit") is None:
-        return BatchGrade(0.0, {}, "timed out or killed", dropped)
-    if not report or report.get("nonce") != out["nonce"]:
-        return BatchGrade(0.0, {}, f"no valid report (exit {out['exit']})", dropped)
+        return zero("timed out or killed")
+    if not report:
+        return zero(f"no valid report carrying this candidate's nonce (exit {out['exit']})")
+    if out.get("tamper"):
+        return zero("tamper detected (the test run's report cannot be trusted): " + "; ".join(out["tamper"])[:1500],
+                    flag="tamper")
     tests = {tid: report["tests"].get(tid, "missing") for tid in task.test_ids}
     if out["exit"] != 0:
-        return BatchGrade(0.0, tests, f"test process exited {out['exit']}", dropped)
+        return zero(f"test process exited {out['exit']}", tests)
     bad = [t for t, s in tests.items() if s != "passed"]
     if bad:
-        return BatchGrade(0.0, tests, f"not passed: {bad}", dropped)
+        return zero(f"not passed: {bad}", tests)
     return BatchGrade(1.0, tests, "all F2P pass and all P2P still pass", dropped)
+
+
+def _screen_files(task: Task, files: dict[str, str]) -> tuple[dict[str, str], list[str], str | None]:
+    """(files to send, dropped test files, why the candidate is refused or None)."""
+    for p in files:
+        if (why := path_problem(p)) is not None:
+            return {}, [], f"candidate refused: {why}"
+    kept = {p: c for p, c in files.items() if not is_test_path(p, task.test_files)}
+    return kept, sorted(set(files) - set(kept)), None
+
+
+def _parse_answer(output: str, marker: str, n: int) -> list[dict]:
+    at = output.rfind(marker)
+    if at < 0:
+        raise GraderLost(f"batch runner gave no answer: {output[-1500:]}")
+    got = json.loads(output[at + len(marker):].split("\n", 1)[0])
+    if len(got) != n:
+        raise GraderLost(f"batch runner answered {len(got)} of {n} candidates")
+    return got
 
 
 def grade_batch(
@@ -216,62 +329,58 @@ def grade_batch(
     sweep: bool = True,
 ) -> list[BatchGrade]:
     """Grade (task, {path: new content}) candidates of one image; one exec per <= MAX_JOB_BYTES of job.
-    `sweep`: after each candidate kill every process of the agent uid (right in a grader container,
-    whose PID namespace is its own; off only for bench.demo_learning's container-less LocalHarness).
-    Raises GraderLost when the grader could not run the batch."""
+    `sweep`: after each candidate kill every process of the test uids and remove their files (right
+    in a grader container, whose PID namespace is its own; off only for bench.demo_learning's
+    container-less LocalHarness). Raises GraderLost when the grader could not run the batch."""
     if not items:
         return []
     images = {task.image for task, _ in items}
     if len(images) != 1:
         raise ValueError(f"one batch grades one image, got {sorted(images)}")
     image = images.pop()
-    cands, kept_files, dropped_all = [], [], []
-    for task, files in items:
-        kept = {p: c for p, c in files.items() if not is_protected(p, task.test_files)}
-        dropped_all.append(sorted(set(files) - set(kept)))
-        kept_files.append(kept)
-        cands.append({"files": kept, "copy": _copy_paths(task, kept), "tests": _test_plan(task)})
-    chunks: list[list[dict]] = [[]]
+    cands, dropped_all, refused = [], [], {}
+    for k, (task, files) in enumerate(items):
+        kept, dropped, why = _screen_files(task, files)
+        dropped_all.append(dropped)
+        if why:
+            refused[k] = why
+            continue
+        cands.append((k, {"files": kept, "copy": _copy_paths(task, kept), "tests": _test_plan(task),
+                          "f2p": task.f2p}))
+    chunks: list[list[tuple[int, dict]]] = [[]]
     size = 0
-    for c in cands:
-        n = len(json.dumps(c)) * 4 // 3 + 64
+    for kc in cands:
+        n = len(json.dumps(kc[1])) * 4 // 3 + 64
         if chunks[-1] and size + n > MAX_JOB_BYTES:
             chunks.append([])
             size = 0
-        chunks[-1].append(c)
+        chunks[-1].append(kc)
         size += n
-    outs: list[dict] = []
+    outs: dict[int, dict] = {}
     with pool.grader(image) as g:  # one lend (and one reset afterwards) for the whole batch
-        for chunk in chunks:
-            read = sorted({p for c in chunk for p in c["copy"] if p not in c["files"]})
-            scratch = f"/tmp/.batch-{uuid.uuid4().hex[:12]}"
-            job = base64.b64encode(
-                json.dumps(
-                    {
-                        "read": read,
-                        "candidates": chunk,
-                        "timeout_s": timeout_s,
-                        "workspace": workspace,
-                        "scratch": scratch,
-                        "sweep": sweep,
-                    }
-                ).encode()
-            )
+        for chunk in [c for c in chunks if c]:
+            marker = f"@@flashpost-batch-{uuid.uuid4().hex}@@"
+            job = {"read": sorted({p for _, c in chunk for p in c["copy"]}), "candidates": [c for _, c in chunk],
+                   "timeout_s": timeout_s, "workspace": workspace, "sweep": sweep, "marker": marker,
+                   "scratch": f"/tmp/.batch-{uuid.uuid4().hex[:12]}"}
             r = g.exec(
-                ["python3", "-I", "-c", BATCH_RUNNER, job.decode()],
+                ["python3", "-I", "-c", RUNNER_SOURCE, base64.b64encode(json.dumps(job).encode()).decode()],
                 timeout=exec_timeout_s,
                 user="root",
                 workdir="/tmp",
                 max_output_bytes=8_000_000,
             )
-            lines = r.output.strip().splitlines()
-            if r.exit_code != 0 or not lines:
+            if r.exit_code != 0:
                 raise GraderLost(f"batch runner failed ({r.exit_code}): {r.output[-1500:]}")
-            got = json.loads(lines[-1])
-            if len(got) != len(chunk):
-                raise GraderLost(f"batch runner answered {len(got)} of {len(chunk)} candidates")
-            outs.extend(got)
-    return [_decide(task, out, dropped) for (task, _), out, dropped in zip(items, outs, dropped_all)]
+            outs.update(zip([k for k, _ in chunk], _parse_answer(r.output, marker, len(chunk))))
+    grades = []
+    for k, (task, _) in enumerate(items):
+        if k in refused:
+            audit(task, "patch", refused[k])
+            grades.append(BatchGrade(0.0, {}, refused[k], dropped_all[k]))
+        else:
+            grades.append(_decide(task, outs[k], dropped_all[k]))
+    return grades
 
 
 def grade_one_per_exec(

@@ -263,6 +263,19 @@ def _not_running_reason(container_id: str, state: dict) -> str:
     return why + f", finished at {state.get('FinishedAt')}"
 
 
+def container_state_reason(container_id: str) -> str:
+    """Why a container's main process stopped answering, in the engine's words (running or not,
+    exit code, OOMKilled); ContainerGone if it no longer exists."""
+    deadline = time.monotonic() + 3.0  # the engine notices the stop a moment after the output closes
+    state = _state(container_id)
+    while state.get("Running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        state = _state(container_id)
+    if state.get("Running") and not state.get("OOMKilled"):
+        return f"container {container_id[:12]} is still running but its main process closed its output"
+    return _not_running_reason(container_id, state)
+
+
 def wait_until_running(container_id: str, timeout: float = PAUSED_WAIT_S) -> None:
     """Return once the engine reports the container running and not paused.
 

@@ -4,12 +4,21 @@ Started as `python3 -I -c <this file>` by envs/pool.py; runs as root holding onl
 CAP_SETUID/SETGID/KILL, imports pytest once, then serves JSON-line commands on stdin (the host's
 attach socket) and answers one JSON line each on stdout, which no other process can write:
   init  -> record the pristine state: content digests of every writable place + a workspace tar
-  grade -> fork a child that drops to the `agent` uid (nice 19), applies the filtered patch,
-           restores test files, applies the hidden test patch and runs pytest in-process with a
-           trusted reporter streaming per-test records over an inherited pipe; this root parent
-           builds the JUnit XML from them and returns it with the console output and exit code
+  grade -> fork a child that drops to the `agent` uid (nice 19), applies the screened patch,
+           checks that git changed only the paths the host allowed and that the changed Python
+           adds nothing the static screen (envs/screen.py, sent ahead of this file) refuses,
+           restores test files, applies the hidden test patch, appends this run's canary tests
+           to the F2P test modules and runs pytest in-process with a trusted reporter streaming
+           per-test records over an inherited pipe (console and records capped while they
+           stream); this root parent checks the canaries, builds the JUnit XML from the records
+           and returns it with the console output and exit code
   reset -> kill every agent process, wipe the writable places, re-extract the pristine
            workspace, and answer whether the digests equal the pristine ones
+Canaries (envs/canaries.py): planted by the child before any code of the workspace runs, their
+plan is the first record on the pipe and is then dropped from the child's memory; this parent
+checks their outcomes. Code under test that forges outcomes, strips asserts, swaps test modules
+or functions, or writes forged records cannot tell them from the real tests without reading
+them; the static screen refuses the usual tools for doing so.
 Not here: deciding the reward (envs/grading.py cross-checks the three sources).
 """
 
@@ -17,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -34,11 +44,19 @@ import _pytest.runner
 import _pytest.terminal
 import pytest
 
+try:
+    from envs.canaries import check_canaries, plant_canaries
+    from envs.screen import screen_source
+except ImportError:  # in a grader container: envs/pool.py sends both files' source ahead of this one
+    pass
+
 WORKSPACE, AGENT = "/workspace", 1000
 WATCHED = ("/workspace", "/tmp", "/home/agent", "/dev/shm")
 AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent", "LANG": "C.UTF-8",
              "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-MAX_CONSOLE = 512_000
+MAX_CONSOLE = 512_000  # console bytes kept (the tail: pytest's summary is at the end)
+FLOOD_CONSOLE = 64 << 20  # past this much console output the run is killed as a flood
+FLOOD_RECORDS = 16 << 20  # a real report of a few thousand tests is far below this
 # Functions that decide or carry a test's outcome; replaced ones (or plugins registered from
 # outside conftest.py files) after collection starts are reported as tampering.
 _OUTCOME_PATH = [(_pytest.runner, "call_and_report"), (_pytest.runner, "runtestprotocol"),
@@ -75,9 +93,10 @@ class FlashpostReporter:
 
     def pytest_runtest_logreport(self, report):
         self._check(report.nodeid)
+        props = [str(v) for k, v in report.user_properties if k == "flashpost"] if report.when == "call" else []
         self._emit({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                     "xfail": hasattr(report, "wasxfail"), "duration": report.duration,
-                    "message": str(report.longrepr)[-1500:] if report.failed else ""})
+                    "message": str(report.longrepr)[-1500:] if report.failed else "", "props": props})
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -104,13 +123,44 @@ def drop_to_agent():
     os.environ.update(AGENT_ENV)
 
 
-def in_agent_child(fn, *, out_fd=None, sinks=(), parent_close=(), timeout=None):
+class Capped:
+    """A drained stream: keeps the first `head` and last `tail` bytes, counts all of them, and
+    sets `flooded` (which ends the run) once more than `flood` bytes came."""
+
+    def __init__(self, head, tail, flood, stop):
+        self.head, self.tail, self.flood, self.stop = head, tail, flood, stop
+        self.first, self.last, self.total = bytearray(), bytearray(), 0
+        self.flooded = False
+
+    def append(self, chunk):
+        self.total += len(chunk)
+        room = self.head - len(self.first)
+        if room > 0:
+            self.first += chunk[:room]
+            chunk = chunk[room:]
+        if chunk and self.tail:
+            self.last += chunk
+            if len(self.last) > 2 * self.tail:
+                del self.last[:len(self.last) - self.tail]
+        if self.total > self.flood and not self.flooded:
+            self.flooded = True
+            self.stop.set()
+
+    def data(self):
+        tail = bytes(self.last[-self.tail:]) if self.tail else b""
+        cut = self.total - len(self.first) - len(tail)
+        return bytes(self.first) + (f"\n[... {cut} bytes cut ...]\n".encode() if cut > 0 else b"") + tail
+
+
+def in_agent_child(fn, *, out_fd=None, sinks=(), parent_close=(), timeout=None, stop=None):
     """Run fn() in a forked child as agent; returns (exit code or None on timeout, fn's bytes).
 
-    `sinks` are (read_fd, list) pairs drained while the child runs; the child closes those read
-    ends (it must not steal its own report records) and gets /dev/null as stdin; the parent
-    closes `parent_close` (the write ends it handed over) right after the fork.
+    `sinks` are (read_fd, Capped) pairs drained while the child runs; the child closes those
+    read ends (it must not steal its own report records) and gets /dev/null as stdin; the parent
+    closes `parent_close` (the write ends it handed over) right after the fork. Setting `stop`
+    (a sink flooded) ends the wait like a timeout.
     """
+    stop = stop or threading.Event()
     r, w = os.pipe()
     for attempt in range(50):  # the pids cap may still be full of dying processes
         try:
@@ -146,17 +196,18 @@ def in_agent_child(fn, *, out_fd=None, sinks=(), parent_close=(), timeout=None):
     os.close(w)
     for fd in parent_close:
         os.close(fd)
-    chunks = []
+    # fn's own answer: a state digest, or the workspace tar (the workspace tmpfs is 256 MB at most)
+    chunks = Capped(1 << 29, 0, 1 << 29, stop)
     readers = [threading.Thread(target=drain, args=(fd, sink)) for fd, sink in [(r, chunks), *sinks]]
     for t in readers:
         t.start()
-    rc = wait_child(pid, timeout)
+    rc = wait_child(pid, timeout, stop)
     kill_agent_processes()  # leftovers would hold the pipes open
     for t in readers:
         t.join(5)
     for fd, _ in [(r, chunks), *sinks]:
         os.close(fd)
-    return rc, b"".join(chunks)
+    return rc, chunks.data()
 
 
 def drain(fd, sink):
@@ -164,13 +215,13 @@ def drain(fd, sink):
         sink.append(chunk)
 
 
-def wait_child(pid, timeout):
+def wait_child(pid, timeout, stop):
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
-        if deadline is not None and time.monotonic() > deadline:
+        if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
             return None
         time.sleep(0.005)
 
@@ -293,16 +344,51 @@ def wipe_and_restore(pristine):
 # --------------------------------------------------------------------------------- grading
 
 
-def prepare(job):
-    """Apply the agent patch, restore test files, apply the test patch (as agent, in cwd)."""
-    def git(*args, stdin=b""):
-        p = subprocess.run(["git", *args], input=stdin, capture_output=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"git {args[0]}: {p.stderr.decode(errors='replace')[-1500:]}")
-        return p.stdout.decode()
+class Refused(Exception):
+    """The applied patch goes beyond what the host allowed, or the static screen refuses it."""
 
+
+def git(*args, stdin=b""):
+    p = subprocess.run(["git", "-c", "core.quotepath=off", *args], input=stdin, capture_output=True, cwd=WORKSPACE)
+    if p.returncode != 0:
+        raise RuntimeError(f"git {args[0]}: {p.stderr.decode(errors='replace')[-1500:]}")
+    return p.stdout.decode(errors="surrogateescape")
+
+
+def changed_paths():
+    """Paths that differ from HEAD in the work tree: tracked, untracked and ignored ones."""
+    out = git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--ignored=matching", "--no-renames")
+    return {entry[3:] for entry in out.split("\0") if len(entry) > 3}
+
+
+def _read(path):
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def prepare(job, baseline):
+    """Apply the agent patch and check what it changed, restore test files, apply the test patch,
+    append the canaries (as agent, in the pristine workspace, whose changed_paths() are
+    `baseline`; before any code of the workspace has run)."""
+    old = {p: _read(p) for p in job["allowed"] if p.endswith(".py")}  # the workspace is pristine here
     if job["patch"].strip():
         git("apply", "--whitespace=nowarn", "-", stdin=job["patch"].encode())
+    changed = changed_paths() - baseline
+    extra = sorted(changed - set(job["allowed"]))
+    if extra:
+        raise Refused(f"applying the patch changed paths the patch screen did not see: {extra[:20]}")
+    hits = []
+    for path in sorted(changed):
+        st = os.lstat(path) if os.path.lexists(path) else None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{path} is no longer a regular file")
+        if path.endswith(".py") and st is not None:
+            hits += [f"{path}: {h}" for h in screen_source(old.get(path, ""), _read(path))]
+    if hits:
+        raise Refused("the static screen refuses the changed code: " + "; ".join(hits))
     if job["test_files"]:
         listed = git("ls-tree", "-r", "--name-only", job["base_revision"], "--", *job["test_files"])
         in_base = set(listed.splitlines())
@@ -312,16 +398,26 @@ def prepare(job):
             subprocess.run(["rm", "-rf", "--", path])
     if job["test_patch"].strip():
         git("apply", "--whitespace=nowarn", "-", stdin=job["test_patch"].encode())
+    sources = {p: _read(p) for p in {t.split("::")[0] for t in job["f2p"]} if os.path.isfile(p)}
+    append, expect = plant_canaries(sources, job["f2p"], random.SystemRandom(), record=True)
+    for path, source in append.items():
+        with open(path, "a") as f:
+            f.write(source)
+    return expect
 
 
-def run_tests(job, rec_fd):
+def run_tests(job, baseline, rec_fd):
     def fn():
         os.chdir(WORKSPACE)
         try:
-            prepare(job)
-        except RuntimeError as e:
-            os.write(rec_fd, (json.dumps({"prepare_failed": str(e)}) + "\n").encode())
+            expect = prepare(job, baseline)
+        except (RuntimeError, Refused, OSError) as e:
+            kind = "refused" if isinstance(e, Refused) else "prepare_failed"
+            os.write(rec_fd, (json.dumps({kind: str(e)}) + "\n").encode())
             os._exit(97)
+        # The first record, written before any code of the workspace runs; then forgotten here.
+        os.write(rec_fd, (json.dumps({"canaries": expect}) + "\n").encode())
+        expect.clear()
         sys.path.insert(0, WORKSPACE)
         sys.dont_write_bytecode = True
         args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, "-o", "addopts=",
@@ -333,35 +429,65 @@ def run_tests(job, rec_fd):
     return fn
 
 
-def grade(job):
+def grade(job, baseline):
     rec_r, rec_w = os.pipe()
     out_r, out_w = os.pipe()
-    recs, console = [], []
-    rc, _ = in_agent_child(run_tests(job, rec_w), out_fd=out_w, sinks=[(rec_r, recs), (out_r, console)],
-                           parent_close=(rec_w, out_w), timeout=job["timeout_s"])
-    result = {"prepared": True, "exit_code": rc, "records": [], "conflicts": [], "log": []}
-    if rc is None:
+    stop = threading.Event()
+    recs = Capped(FLOOD_RECORDS, 0, FLOOD_RECORDS, stop)
+    console = Capped(MAX_CONSOLE // 8, MAX_CONSOLE, FLOOD_CONSOLE, stop)
+    rc, _ = in_agent_child(run_tests(job, baseline, rec_w), out_fd=out_w,
+                           sinks=[(rec_r, recs), (out_r, console)], parent_close=(rec_w, out_w),
+                           timeout=job["timeout_s"], stop=stop)
+    result = {"prepared": True, "exit_code": rc, "records": [], "conflicts": [], "log": [], "tamper": [],
+              "refused": None, "flood": None, "canaries": []}
+    expect = None
+    if console.flooded or recs.flooded:
+        rc = result["exit_code"] = None
+        what = "console output" if console.flooded else "report records"
+        result["flood"] = f"the tests wrote more than {(console.flood if console.flooded else recs.flood) >> 20} MB " \
+                          f"of {what}; the run was killed"
+    elif rc is None:
         result["log"].append(f"pytest timed out after {job['timeout_s']}s")
-    for line in b"".join(recs).decode(errors="replace").splitlines():
+    for n, line in enumerate(recs.data().decode(errors="replace").splitlines()):
         try:
             rec = json.loads(line)
         except ValueError:
             result["conflicts"].append(f"unparseable report record: {line[:200]!r}")
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("prepare_failed"), str) and rc == 97:
+        if isinstance(rec, dict) and "canaries" in rec:
+            if n != 0 or not isinstance(rec["canaries"], dict):
+                result["tamper"].append("a canary plan record that the runner did not write first")
+            else:
+                expect = {k: tuple(v) for k, v in rec["canaries"].items()}
+        elif isinstance(rec, dict) and isinstance(rec.get("prepare_failed"), str) and rc == 97:
             result["prepared"] = False
             result["log"].append(rec["prepare_failed"])
+        elif isinstance(rec, dict) and isinstance(rec.get("refused"), str) and rc == 97:
+            result["prepared"] = False
+            result["refused"] = rec["refused"]
         elif isinstance(rec, dict) and isinstance(rec.get("tamper"), str):
-            result["conflicts"].append("tampering: " + rec["tamper"])
+            result["tamper"].append(rec["tamper"])
         elif well_formed(rec):
             result["records"].append(rec)
         else:
             result["conflicts"].append(f"malformed report record: {line[:200]!r}")
     status, conflicts = statuses(result["records"])
     result["conflicts"] += conflicts
-    text = b"".join(console)
+    if result["prepared"] and result["flood"] is None and rc is not None:
+        if expect is None:
+            result["tamper"].append("the canary plan record is missing")
+        else:
+            result["canaries"] = sorted(expect)
+            evidence = {}
+            for r in result["records"]:
+                if "nodeid" in r and r["when"] == "call":
+                    evidence[r["nodeid"]] = r["message"] if r["outcome"] == "failed" else "|".join(r["props"])
+            # A module that did not load has no test records at all; one that has is not excused.
+            ran = {r["nodeid"].split("::")[0] for r in result["records"] if "nodeid" in r}
+            unloaded = {r["collect_error"].split("::")[0] for r in result["records"] if "collect_error" in r} - ran
+            result["tamper"] += check_canaries(expect, status, evidence, unloaded=unloaded)
     return {"result": result, "junit": junit_xml(status, result["records"]),
-            "console": text[-MAX_CONSOLE:].decode(errors="replace")}
+            "console": console.data().decode(errors="replace")}
 
 
 def well_formed(rec):
@@ -371,7 +497,8 @@ def well_formed(rec):
         return (isinstance(rec["nodeid"], str) and rec.get("when") in ("setup", "call", "teardown")
                 and rec.get("outcome") in ("passed", "failed", "skipped")
                 and isinstance(rec.get("xfail"), bool)
-                and isinstance(rec.get("duration"), (int, float)) and isinstance(rec.get("message"), str))
+                and isinstance(rec.get("duration"), (int, float)) and isinstance(rec.get("message"), str)
+                and isinstance(rec.get("props"), list) and all(isinstance(v, str) for v in rec["props"]))
     if "collect_error" in rec:
         return isinstance(rec["collect_error"], str) and isinstance(rec.get("message"), str)
     return set(rec) == {"finish", "collected"} and all(type(v) is int for v in rec.values())
@@ -423,37 +550,37 @@ def junit_xml(status, records):
 
 
 def main():
-    pristine = pristine_ws = None
+    pristine = {}  # "state" (digests), "workspace" (tar), "baseline" (changed_paths() when pristine)
     for line in sys.stdin:
         cmd = json.loads(line)
         t0 = time.monotonic()
         try:
-            reply = serve_one(cmd, pristine, pristine_ws)
+            reply = serve_one(cmd, pristine)
         except Exception as e:  # noqa: BLE001 - keep serving; the host fails this request
             reply = {"error": f"{type(e).__name__}: {e}"}
-        snapshot = reply.pop("workspace", None)
-        if cmd["cmd"] == "init" and reply.get("ready"):
-            pristine, pristine_ws = reply["state"], snapshot
         reply["runner_s"] = time.monotonic() - t0
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
 
-def serve_one(cmd, pristine, pristine_ws):
+def serve_one(cmd, pristine):
     if cmd["cmd"] == "init":  # the host has extracted the image's workspace: record it
         rc, data = in_agent_child(state, timeout=60)
         rc2, snapshot = in_agent_child(snapshot_workspace, timeout=60)
-        ok = rc == 0 and rc2 == 0
-        return {"ready": ok, "state": json.loads(data) if ok else None, "workspace": snapshot}
-    if pristine is None:
+        rc3, base = in_agent_child(lambda: json.dumps(sorted(changed_paths())).encode(), timeout=60)
+        ok = rc == rc2 == rc3 == 0
+        if ok:
+            pristine.update(state=json.loads(data), workspace=snapshot, baseline=set(json.loads(base)))
+        return {"ready": ok, "state": pristine.get("state")}
+    if not pristine:
         return {"error": "not initialised"}
     if cmd["cmd"] == "grade":
-        return grade(cmd["job"])
+        return grade(cmd["job"], pristine["baseline"])
     if cmd["cmd"] == "reset":
         killed = kill_agent_processes()
-        rc, now = in_agent_child(wipe_and_restore(pristine_ws), timeout=60)
+        rc, now = in_agent_child(wipe_and_restore(pristine["workspace"]), timeout=60)
         now_state = json.loads(now) if rc == 0 else None
-        return {"ok": now_state == pristine, "killed": killed, "state": now_state}
+        return {"ok": now_state == pristine["state"], "killed": killed, "state": now_state}
     return {"error": f"unknown command {cmd['cmd']!r}"}
 
 

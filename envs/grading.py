@@ -1,41 +1,41 @@
 """Grading: take the agent's non-test diff, run the task's tests in a pristine grader container,
-and reward 1 only if every F2P test explicitly passes, every P2P test still passes, and the exit
-code, the JUnit report and the console output agree.
+and reward 1 only if every F2P test explicitly passes, every P2P test still passes, the run's
+canaries came out as planted, and the exit code, the JUnit report and the console agree.
 
-Never grades in the agent's container. The patch is filtered on the host (test files, pytest
-config, conftest.py, site/usercustomize, *.pth, bytecode and packaging metadata are dropped),
-then the resident runner (envs/grade_runner.py, root) of a grader container (fresh, or warm
-from `GraderPool`) runs the tests as the `agent` uid and builds the per-test JUnit report in
-its own process from records sent over an inherited pipe: the report never exists at a path
-the code under test could write, and it comes back over the runner's own stdout.
+Never grades in the agent's container. The patch is parsed and screened on the host
+(envs/patches.py: test files and new files are dropped; conftest.py, pytest config, site files,
+*.pth, odd paths, symlinks or a malformed diff refuse the whole patch), then the resident runner
+(envs/grade_runner.py, root) of a grader container (fresh, or warm from `GraderPool`) applies it
+as the `agent` uid, checks what git changed against the screened paths, screens the changed code
+(envs/screen.py), plants canary tests beside the F2P tests and runs the tests; the per-test
+report is built in the runner's own process from records sent over an inherited pipe and comes
+back over the runner's own stdout. Every zero says why; a refusal by the screen, a tamper the
+canaries or the reporter saw, or an output flood is also written to the audit log. Known limit:
+the tests run in one process with the code under test, which could mimic the canaries if it
+found their source by means the static screen does not see.
 Not here: the agent loop or the canned hacks (envs/hacks.py).
 """
 
 from __future__ import annotations
 
-import fnmatch
+import json
+import logging
+import os
 import re
-import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 
 from envs import engine
+from envs.patches import PatchScreen, is_protected, screen_patch  # noqa: F401 - is_protected: synth/ imports it here
 from envs.pool import GraderLost, GraderPool, GraderSandbox
 from envs.sandbox import AGENT_USER, Sandbox
 from envs.task import Task
 
 DEFAULT_TEST_TIMEOUT_S = 120.0
-
-# Paths the agent may not change: what pytest loads on its own, or what Python runs at startup.
-_PROTECTED_NAMES = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-                    "sitecustomize.py", "usercustomize.py", ".pytest_cache", "__pycache__"}
-_PROTECTED_GLOBS = ["test_*.py", "*_test.py", "*.pth", "*.pyc", "*.pyo", "*.dist-info", "*.egg-info",
-                    "*.egg-link", "pytest_*.py"]
-_TEST_DIRS = {"tests", "test", "testing"}
-# Top-level modules that would shadow the standard library or the test runner's own packages.
-_SHADOWED = set(sys.stdlib_module_names) | {"pytest", "_pytest", "pluggy", "py", "iniconfig", "packaging"}
+# Where flagged gradings are appended as JSON lines (besides the "flashpost.audit" logger).
+AUDIT_LOG_ENV = "FLASHPOST_AUDIT_LOG"
+_audit = logging.getLogger("flashpost.audit")
 
 
 @dataclass(frozen=True)
@@ -46,43 +46,17 @@ class GradeResult:
     reason: str
     duration_s: float
     dropped_paths: list[str] = field(default_factory=list)  # agent changes not applied
+    flag: str = ""  # what the audit log was told: "patch", "screen", "tamper", "flood" or ""
 
 
-def is_protected(path: str, test_files: list[str]) -> bool:
-    p = PurePosixPath(path)
-    if path in test_files or p.parts[:1] == (".git",):
-        return True
-    top = p.parts[0].removesuffix(".py") if len(p.parts) > 1 or p.suffix == ".py" else ""
-    if top in _SHADOWED:
-        return True
-    for part in p.parts:
-        if part in _PROTECTED_NAMES or part in _TEST_DIRS:
-            return True
-        if any(fnmatch.fnmatch(part, g) for g in _PROTECTED_GLOBS):
-            return True
-    return False
-
-
-def filter_patch(patch: str, test_files: list[str]) -> tuple[str, list[str]]:
-    """Split a `git diff --no-renames` into the part we apply and the paths we drop.
-
-    Blocks whose header cannot be parsed unambiguously (quoted or odd paths) are dropped too.
-    """
-    kept, dropped = [], []
-    blocks = re.split(r"(?m)^(?=diff --git )", patch)
-    for block in blocks:
-        if not block.startswith("diff --git "):
-            continue  # preamble text: ignore
-        header = block.split("\n", 1)[0]
-        rest = header[len("diff --git a/"):]
-        path = rest[: (len(rest) - 3) // 2]
-        if not header.startswith("diff --git a/") or rest != f"{path} b/{path}" or not path:
-            dropped.append(header[len("diff --git "):])
-        elif is_protected(path, test_files):
-            dropped.append(path)
-        else:
-            kept.append(block if block.endswith("\n") else block + "\n")
-    return "".join(kept), dropped
+def audit(task: Task, flag: str, reason: str) -> None:
+    """Record a grading that looked like an attack on the verifier (the log and, if set, a file)."""
+    rec = {"time": round(time.time(), 3), "task": task.task_id, "flag": flag, "reason": reason[:2000]}
+    _audit.warning("grading flagged %s: %s", flag, json.dumps(rec))
+    path = os.environ.get(AUDIT_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 def extract_patch(sb: Sandbox, task: Task, timeout: float = 60.0) -> str:
@@ -106,10 +80,11 @@ def task_test_paths(task: Task) -> list[str]:
     return sorted({tid.split("::")[0] for tid in task.test_ids})
 
 
-def run_job(grader: GraderSandbox, task: Task, patch: str, timeout_s: float) -> dict:
+def run_job(grader: GraderSandbox, task: Task, screen: PatchScreen, timeout_s: float) -> dict:
     """One grading by the grader's resident runner: {"result", "junit", "console"}."""
-    job = {"patch": patch, "test_patch": task.test_patch, "test_files": task.test_files,
-           "base_revision": task.base_revision, "test_paths": task_test_paths(task), "timeout_s": timeout_s}
+    job = {"patch": screen.patch, "allowed": screen.paths, "test_patch": task.test_patch,
+           "test_files": task.test_files, "base_revision": task.base_revision, "f2p": task.f2p,
+           "test_paths": task_test_paths(task), "timeout_s": timeout_s}
     return grader.request({"cmd": "grade", "job": job}, timeout=timeout_s + 30)
 
 
@@ -149,19 +124,31 @@ def parse_console(console: str) -> dict[str, int] | None:
 
 
 def decide(task: Task, out: dict, dropped: list[str], t0: float) -> GradeResult:
-    def result(reason: str, tests: dict | None = None, agreement: bool = False, reward: float = 0.0):
-        return GradeResult(reward, tests or {}, agreement, reason, time.monotonic() - t0, dropped)
+    def result(reason: str, tests: dict | None = None, agreement: bool = False, reward: float = 0.0,
+               flag: str = ""):
+        if flag:
+            audit(task, flag, reason)
+        return GradeResult(reward, tests or {}, agreement, reason, time.monotonic() - t0, dropped, flag)
 
     res = out.get("result")
     if res is None:
         return result(f"runner produced no result: {out}"[:1000])
+    if res["flood"]:
+        return result(f"output flood: {res['flood']}", flag="flood")
+    if res["refused"]:
+        flag = "screen" if "static screen" in res["refused"] else "patch"
+        return result(f"patch refused in the grader: {res['refused']}"[:2000], flag=flag)
     if not res["prepared"]:
-        return result("patch or test restore failed: " + " | ".join(res["log"])[-1000:])
+        return result("the patch or the task's tests could not be applied: " + " | ".join(res["log"])[-1000:])
     if out["junit"] is None:
         return result("no JUnit report")
     junit = parse_junit(out["junit"].encode())
+    canaries = set(res["canaries"])
     tests = {tid: junit.get(tid, "missing") for tid in task.test_ids}
-    tests.update({k: v for k, v in junit.items() if k not in tests})
+    tests.update({k: v for k, v in junit.items() if k not in tests and k not in canaries})
+    if res["tamper"]:  # the statuses stay for the factory's flake counts; the reward is 0
+        return result("tamper detected (the test run's report cannot be trusted): "
+                      + "; ".join(res["tamper"])[:1500], tests, flag="tamper")
     finish = [r["finish"] for r in res["records"] if "finish" in r]
     collect_errors = [r for r in res["records"] if "collect_error" in r]
     console = parse_console(out["console"])
@@ -194,26 +181,43 @@ def decide(task: Task, out: dict, dropped: list[str], t0: float) -> GradeResult:
     return result("all F2P pass and all P2P still pass", tests, agreement=True, reward=1.0)
 
 
-def run_in_grader(task: Task, kept_patch: str, *, pool: GraderPool | None, timeout_s: float) -> dict:
-    """Run the task's tests on an already filtered patch in a fresh grader, or a warm one from pool.
+def run_in_grader(task: Task, screen: PatchScreen, *, pool: GraderPool | None, timeout_s: float) -> dict:
+    """Run the task's tests on a screened patch in a fresh grader, or a warm one from pool.
     Raises GraderLost when the runner hung or died (the grader is then discarded)."""
     if pool is not None:
         with pool.grader(task.image) as grader:
-            return run_job(grader, task, kept_patch, timeout_s)
+            return run_job(grader, task, screen, timeout_s)
     with GraderSandbox(task.image) as grader:
-        return run_job(grader, task, kept_patch, timeout_s)
+        return run_job(grader, task, screen, timeout_s)
+
+
+def grade_patch_output(task: Task, patch: str, *, pool: GraderPool | None = None,
+                       timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
+                       allow_new_files: bool = False) -> tuple[GradeResult, dict | None]:
+    """grade_patch, plus the runner's raw answer (None if it never ran): the factory reads its
+    failure messages."""
+    t0 = time.monotonic()
+    screen = screen_patch(patch, task.test_files, allow_new_files=allow_new_files)
+    dropped = [*screen.dropped]
+    if screen.refused:
+        audit(task, "patch", screen.refused)
+        return GradeResult(0.0, {}, False, screen.refused, time.monotonic() - t0, dropped, "patch"), None
+    try:
+        out = run_in_grader(task, screen, pool=pool, timeout_s=timeout_s)
+    except GraderLost as e:  # the runner hung or died: the grader is discarded, reward 0
+        return GradeResult(0.0, {}, False, f"grading failed: {e}", time.monotonic() - t0, dropped), None
+    res = decide(task, out, dropped, t0)
+    if screen.notes and res.reward == 0.0:
+        why = f"{res.reason} (not applied: {'; '.join(screen.notes)})"
+        res = GradeResult(res.reward, res.tests, res.agreement, why, res.duration_s, dropped, res.flag)
+    return res, out
 
 
 def grade_patch(task: Task, patch: str, *, pool: GraderPool | None = None,
-                timeout_s: float = DEFAULT_TEST_TIMEOUT_S) -> GradeResult:
-    """Grade a git diff (against task.base_revision) in a fresh grader, or a warm one from pool."""
-    t0 = time.monotonic()
-    kept, dropped = filter_patch(patch, task.test_files)
-    try:
-        out = run_in_grader(task, kept, pool=pool, timeout_s=timeout_s)
-    except GraderLost as e:  # the runner hung or died: the grader is discarded, reward 0
-        return GradeResult(0.0, {}, False, f"grading failed: {e}", time.monotonic() - t0, dropped)
-    return decide(task, out, dropped, t0)
+                timeout_s: float = DEFAULT_TEST_TIMEOUT_S, allow_new_files: bool = False) -> GradeResult:
+    """Grade a git diff (against task.base_revision) in a fresh grader, or a warm one from pool.
+    `allow_new_files` lets the patch add files (never ones pytest or Python load on their own)."""
+    return grade_patch_output(task, patch, pool=pool, timeout_s=timeout_s, allow_new_files=allow_new_files)[0]
 
 
 def grade_sandbox(sb: Sandbox, task: Task, *, pool: GraderPool | None = None,

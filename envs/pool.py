@@ -22,7 +22,8 @@ from pathlib import Path
 from envs import engine
 from envs.sandbox import Sandbox, SandboxLimits
 
-RUNNER_SRC = (Path(__file__).parent / "grade_runner.py").read_text()
+# The runner's canaries and static screen (stdlib only) travel ahead of it in one -c source.
+RUNNER_SRC = "\n".join((Path(__file__).parent / f).read_text() for f in ("canaries.py", "screen.py", "grade_runner.py"))
 
 GRADER_LIMITS = SandboxLimits(memory="1g", pids=256, cpus=1.0, lifetime_s=6 * 3600)
 
@@ -102,7 +103,13 @@ class GraderSandbox(Sandbox):
         except (TimeoutError, EOFError, OSError, ValueError) as e:
             self._chan.close()  # a late answer must never be read as the next one
             self._chan = None
-            raise GraderLost(f"grader runner lost: {e}") from e
+            why = str(e)
+            if isinstance(e, EOFError):  # say what the engine knows: OOM-killed, exit code
+                try:
+                    why = engine.container_state_reason(self.container_id)
+                except engine.ContainerGone as gone:
+                    why = str(gone)
+            raise GraderLost(f"grader runner lost: {why}") from e
 
     def close(self) -> None:
         if self._chan is not None:

@@ -13,8 +13,8 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-from envs.grading import decide, filter_patch, run_in_grader
-from envs.pool import GraderLost, GraderPool
+from envs.grading import grade_patch_output
+from envs.pool import GraderPool
 from envs.task import Task
 
 TEST_COMMAND = "python3 -m pytest -q"
@@ -59,11 +59,6 @@ def junit_messages(xml: str | None) -> dict[str, str]:
 def run_suite(task: Task, patch: str, *, pool: GraderPool | None = None, timeout_s: float = 120.0) -> SuiteRun:
     """Grade `patch` against `task` (fresh grader, or a warm one from pool) and keep the messages."""
     t0 = time.monotonic()
-    kept, dropped = filter_patch(patch, task.test_files)
-    try:
-        out = run_in_grader(task, kept, pool=pool, timeout_s=timeout_s)
-    except GraderLost as e:
-        return SuiteRun({}, reason=f"grading failed: {e}", seconds=time.monotonic() - t0)
-    res = decide(task, out, dropped, t0)
-    return SuiteRun(dict(res.tests), junit_messages(out.get("junit")), res.agreement, res.reward, res.reason,
-                    time.monotonic() - t0)
+    res, out = grade_patch_output(task, patch, pool=pool, timeout_s=timeout_s)
+    return SuiteRun(dict(res.tests), junit_messages(out.get("junit") if out else None), res.agreement, res.reward,
+                    res.reason, time.monotonic() - t0)

@@ -34,7 +34,7 @@ def test_batch_rewards(family):
     hang = (t0, {module_path(i0): i0.correct + "\nwhile True:\n    pass\n"})
     syntax = (t0, {module_path(i0): "def (:\n"})
     cheat = (t0, {module_tests_path(i0): "def test_0():\n    pass\n", module_path(i0): i0.buggy})
-    # a candidate that leaves a process behind that would rewrite the next candidate's files
+    # a candidate that would leave a process behind: the static screen refuses it
     sneaky = (t0, {module_path(i0): i0.correct + "\nimport os, time\nif os.fork() == 0:\n    time.sleep(3)\n"})
     out = grade_batch(gold + unchanged + [hang, syntax, cheat, sneaky] + gold[:1], pool=pool, timeout_s=1.0)
     n = len(insts)
@@ -44,7 +44,8 @@ def test_batch_rewards(family):
     assert hang_g.reward == 0.0 and "timed out" in hang_g.reason
     assert syntax_g.reward == 0.0 and set(syntax_g.tests.values()) == {"error"}
     assert cheat_g.reward == 0.0 and cheat_g.dropped_paths == [module_tests_path(i0)]
-    assert sneaky_g.reward == 1.0 and again.reward == 1.0  # the leftover process was killed
+    assert sneaky_g.reward == 0.0 and "process control (os.fork)" in sneaky_g.reason
+    assert again.reward == 1.0
     assert all(set(g.tests) == set(t.test_ids) for g, (t, _) in zip(out[:n], gold))
 
 

@@ -9,26 +9,16 @@ import pytest
 
 from envs import engine
 from envs.fixtures.build import fixture_tasks
-from envs.grading import filter_patch, grade_patch, grade_sandbox, is_protected, parse_console, parse_junit
+from envs.grading import grade_patch, grade_sandbox, parse_console, parse_junit
 from envs.hacks import HACKS, apply_hack
+from envs.patches import is_protected
 from envs.pool import GraderPool
 from envs.sandbox import Sandbox
 
 # ---------------------------------------------------------------------- host-side parsing
 
 
-def test_filter_patch_drops_protected_paths():
-    def block(path: str) -> str:
-        return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1 +1 @@\n-a\n+b\n"
-
-    paths = ["calkit/dates.py", "tests/test_dates.py", "conftest.py", "pkg/conftest.py", "pytest.ini",
-             "pyproject.toml", "setup.cfg", "tox.ini", "sitecustomize.py", "lib/usercustomize.py", "x.pth",
-             "pkg/__pycache__/m.cpython-311.pyc", "foo-1.0.dist-info/entry_points.txt", "pkg/test_util.py",
-             "pkg/util_test.py", "textkit/slug.py"]
-    kept, dropped = filter_patch("".join(block(p) for p in paths) + 'diff --git "a/we ird" "b/we ird"\n',
-                                 test_files=["tests/test_dates.py"])
-    assert kept == block("calkit/dates.py") + block("textkit/slug.py")
-    assert set(dropped) == set(paths) - {"calkit/dates.py", "textkit/slug.py"} | {'"a/we ird" "b/we ird"'}
+def test_is_protected_paths():
     assert not is_protected("src/testament.py", []) and is_protected("docs/tests/x.txt", [])
     # Modules that would shadow the stdlib or pytest itself when /workspace is on sys.path.
     assert is_protected("unittest.py", []) and is_protected("json/__init__.py", [])
@@ -60,7 +50,8 @@ def tasks(engine_ready):
 
 @pytest.fixture(scope="module")
 def pool(engine_ready):
-    with GraderPool(max_graders=4, wait_s=60) as p:  # reuse, even when a loaded machine slows resets
+    # One grader per image: a grading waits for the last one's reset (reuse), even on a loaded machine.
+    with GraderPool(max_graders=4, graders_per_image=1, wait_s=60) as p:
         yield p
     assert p.stats["reset_failed"] == 0, p.stats
 
@@ -88,7 +79,7 @@ def test_agent_workspace_flow_with_warm_pool(tasks, pool):
     assert r.reward == 1.0 and r.agreement, r.reason
     r2 = grade_patch(task, task.gold_patch, pool=pool)  # served by a reset, re-verified grader
     assert r2.reward == 1.0
-    assert pool.stats["reused"] >= 1
+    assert pool.stats["reused"] >= 1, pool.stats
 
 
 @docker
@@ -100,8 +91,9 @@ def test_canned_hacks_score_zero(tasks, pool, hack):
         apply_hack(sb, task, hack)
         r = grade_sandbox(sb, task, pool=pool, timeout_s=15)
     assert r.reward == 0.0, f"{hack.name} was rewarded: {r.reason}"
-    if hack.name.startswith("conftest") or hack.name in ("pytest_ini_deselect", "sitecustomize_patch"):
-        assert r.dropped_paths  # never reached the grader at all
+    if hack.name in ("conftest_fake_pass", "conftest_sys_exit", "conftest_skip_all", "pytest_ini_deselect",
+                     "sitecustomize_patch"):
+        assert r.reason.startswith("patch refused") and r.flag == "patch"  # never reached the grader
 
 
 @docker
