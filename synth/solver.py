@@ -133,6 +133,21 @@ def ochiai(cov: dict[str, list], outcome: dict[str, str], failing: list[str]) ->
     return sorted(scores, key=lambda s: (-s[2], s[0], s[1]))
 
 
+def propose(sources: dict[str, str], lines: list[tuple[str, int]]) -> list[tuple[mutations.Mutation, str]]:
+    """Every edit on the ranked (path, line)s, most suspicious line first, each with its edited file text;
+    a file is parsed and indexed once, and only the nodes on the ranked lines are visited."""
+    by_line: dict[tuple[str, int], list[mutations.Mutation]] = {}
+    for path, source in sources.items():
+        wanted = {ln for p, ln in lines if p == path}
+        try:
+            found = mutations.SourceIndex(path, source).find(wanted)
+        except (SyntaxError, ValueError):  # a file the tracer saw but ast cannot parse: nothing to edit
+            continue
+        for m in found:
+            by_line.setdefault((path, m.lineno), []).append(m)
+    return [(m, mutations.apply(sources[m.path], m)) for key in lines for m in by_line.get(key, [])]
+
+
 def search_repair(task: Task, *, pool: GraderPool | None = None, budget: int = 150, top_lines: int = 10,
                   max_grades: int = 3, seed: int = 0) -> SolveAttempt:
     """One attempt of the search solver on `task`; `seed` rotates ties among equally suspicious lines."""
@@ -148,14 +163,8 @@ def search_repair(task: Task, *, pool: GraderPool | None = None, budget: int = 1
             head = ranked[:top_lines * 2]
             ranked = head[seed % max(len(head), 1):] + head[:seed % max(len(head), 1)] + ranked[top_lines * 2:]
         lines = ranked[:top_lines]
-        sources: dict[str, str] = {}
-        candidates = []
-        for path, line, _ in lines:
-            if path not in sources:
-                sources[path] = sb.read_file(path).decode()
-            for m in mutations.mutations_at(path, sources[path], {line}):
-                candidates.append((m, mutations.apply(sources[path], m)))
-        candidates = candidates[:budget]
+        sources = {path: sb.read_file(path).decode() for path in dict.fromkeys(p for p, _, _ in lines)}
+        candidates = propose(sources, [(p, ln) for p, ln, _ in lines])[:budget]
         attempt = SolveAttempt(0.0, candidates=len(candidates), suspicious=lines)
         if not candidates:
             attempt.note = "no candidate edits on the suspicious lines"
