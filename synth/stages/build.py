@@ -24,6 +24,7 @@ from synth.records import SpecRecord, TaskRecord
 from synth.testrun import TEST_COMMAND
 
 NAME = "build"
+BUDGET_S = 900.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = TaskRecord
 CONTENT_LABEL = "flashpost.content"
 GIT_ENV = {
@@ -148,7 +149,9 @@ def build_task(spec: SpecRecord, ctx: Context, *, files: dict[str, bytes] | None
     rec = TaskRecord(key=spec.task_id, repo_path=spec.repo_path, origin=spec.origin, mutation=spec.mutation,
                      overrides=spec.overrides, quoted=spec.quoted, needles=spec.needles)
     try:
+        ctx.note("building the task image")
         digest = build_tree_image(files if files is not None else task_files(spec), image, script=script)
+        ctx.note("leak audit")
         report = audit_image(image, spec.needles)
     except RuntimeError as e:
         return rec.drop(f"build failed: {e}"[:2000])

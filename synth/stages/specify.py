@@ -30,6 +30,7 @@ from synth.stages.build import build_tree_image
 from synth.testrun import SuiteRun, probe_task, run_suite
 
 NAME = "specify"
+BUDGET_S = 900.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = SpecRecord
 MAX_F2P = 8  # a mutant failing more tests than this is a broad breakage, not a focused bug
 BASELINE_RUNS = 2  # runs of a commit's fixed state; a test must pass on each to count
@@ -163,6 +164,7 @@ def process(unit: Unit, ctx: Context) -> SpecRecord:
     mutant = mutations.apply(original, m)
     rec.bug_patch = mutations.unified_diff(m.path, original, mutant)
     rec.gold_patch = mutations.unified_diff(m.path, mutant, original)
+    ctx.note("running the suite on the mutant")
     run = run_suite(probe_task(repo.image, repo.test_files), rec.bug_patch, pool=ctx.shared_pool(repo.image))
     rec.seconds = time.monotonic() - t0
     if not _classify(rec, run, set(repo.passing), repo, ctx):
