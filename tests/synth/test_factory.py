@@ -20,7 +20,8 @@ from synth.records import FeasibleRepo, SpecRecord, StageStore, TaskRecord
 from synth.runner import run_factory, run_stage
 from synth.stages import build, inspect, specify
 from synth.stages.build import PURGE, build_task, repo_files
-from synth.stages.specify import fix_needles, write_statement
+from synth.stages.specify import fix_needles
+from synth.statement import write_statement
 
 pytestmark = pytest.mark.docker
 
