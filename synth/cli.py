@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from synth import validate
 from synth.config import FactoryOptions
@@ -158,7 +160,7 @@ def _check_args(args: argparse.Namespace) -> None:
         validate.check_run_dir(args.dir, [s.NAME for s in STAGES])
 
 
-def _interrupted(args: argparse.Namespace) -> int:
+def _interrupted(args: argparse.Namespace) -> NoReturn:
     """Ctrl-C: finished units are in the journals; remove this process's containers and say how to resume."""
     from envs import engine
 
@@ -167,7 +169,10 @@ def _interrupted(args: argparse.Namespace) -> int:
     if args.cmd == "build":
         print(f"interrupted; finished units are kept in {args.out}: rerun the same command to resume",
               file=sys.stderr)
-    return 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # abandoned units may hold executor threads that interpreter shutdown would wait for (minutes)
+    os._exit(130)
 
 
 def _unit_budgets(items: list[str]) -> dict[str, float]:

@@ -29,7 +29,8 @@ TRACE_SCRIPT = r'''
 import json, os, sys
 import pytest
 sys.dont_write_bytecode = True
-sys.path.insert(0, "/workspace")
+sys.path[:0] = ["/workspace"] + ["/workspace/src"] * (os.path.isdir("/workspace/src") and
+    not os.path.exists("/workspace/src/__init__.py"))  # as envs/grade_runner.py: src/ layouts from src/
 tests = json.load(open("/tmp/.solver-tests.json"))
 ROOT = "/workspace/"
 def is_src(f):
@@ -67,7 +68,8 @@ VERIFY_SCRIPT = r'''
 import json, os, signal, sys, time
 import pytest
 sys.dont_write_bytecode = True
-sys.path.insert(0, "/workspace")
+sys.path[:0] = ["/workspace"] + ["/workspace/src"] * (os.path.isdir("/workspace/src") and
+    not os.path.exists("/workspace/src/__init__.py"))  # as envs/grade_runner.py: src/ layouts from src/
 job = json.load(open("/tmp/.solver-job.json"))
 passing = []
 i = job["start"] - 1

@@ -67,7 +67,7 @@ def process(repo: RepoRecord, ctx: Context) -> FeasibleRepo:
     rec.passing = sorted(set.intersection(*(r.passed() for r in runs)))
     rec.seconds = time.monotonic() - t0
     if not runs[0].statuses:
-        return rec.drop(f"tests do not run: {runs[0].reason}"[:1500])
+        return rec.drop(f"tests do not run: {runs[0].why_not_run()}"[:1500])
     if not rec.passing:
         return rec.drop(f"no passing tests: {runs[0].reason}"[:1500])
     return rec
