@@ -24,7 +24,8 @@ def emit(metric: str, **fields) -> None:
 
 
 def generated_module(n_lines: int) -> str:
-    """A module of at least n_lines: classes of small methods (the shape of a large real library file)."""
+    """A module of at least n_lines: classes of small methods (the shape of a large real library file), each
+    method's last line distinct (a fix must be findable text, as in a real file)."""
     out = ['"""Generated."""\n', "from __future__ import annotations\n"]
     i = 0
     while len(out) < n_lines:
@@ -32,7 +33,8 @@ def generated_module(n_lines: int) -> str:
         for j in range(8):
             out += [f"    def m{j}(self, xs, limit={j}):\n", "        total = 0\n",
                     "        for k in range(len(xs)):\n", "            if xs[k] < limit and k % 2 == 0:\n",
-                    f"                total += xs[k] * {j + 1}\n", "        return max(total, limit) - 1\n", "\n"]
+                    f"                total += xs[k] * {j + 1}\n",
+                    f"        return max(total, limit) - 1  # C{i}.m{j}\n", "\n"]
         i += 1
     return "".join(out)
 
