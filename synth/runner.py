@@ -156,8 +156,8 @@ def run_factory(opts: FactoryOptions, *, stages: Iterable[str] | None = None, pr
     Bad options, an unfetchable source or a foreign output folder raise FactoryInputError first.
 
     `task_budget` is the number of verified tasks wanted: specify aims at `spec_margin` x what is
-    still missing, the later stages follow, inspect stops at the budget; while tasks are missing and
-    specify has candidates left, another round refills (every stage resumes from its journal)."""
+    still missing, build follows, solve and inspect stop at the budget; while tasks are missing and a
+    round brought something new, another round refills (every stage resumes from its journal)."""
     wanted = set(stages or [s.NAME for s in STAGES])
     validate.check_build(opts, [s.NAME for s in STAGES], wanted)
     out = Path(opts.out_dir).resolve()
@@ -171,10 +171,10 @@ def run_factory(opts: FactoryOptions, *, stages: Iterable[str] | None = None, pr
     try:
         accepted = 0
         for _ in range(MAX_ROUNDS):
-            n_spec_before = _n_ok(out, specify)
+            before = (_n_ok(out, specify), accepted)
             accepted = _one_round(ctx, wanted, accepted, timings, progress)
-            if accepted >= opts.task_budget or specify.NAME not in wanted or _n_ok(out, specify) == n_spec_before:
-                break  # the budget is met, or specify had nothing more to give
+            if accepted >= opts.task_budget or specify.NAME not in wanted or (_n_ok(out, specify), accepted) == before:
+                break  # the budget is met, or a round brought nothing new
     finally:
         ctx.close()
     accepted_tasks = [Task.from_dict(r.task) for r in StageStore(out, inspect.NAME, inspect.OUTPUT).load().values()
@@ -202,6 +202,8 @@ def _one_round(ctx: Context, wanted: set[str], accepted: int, timings: dict[str,
             target = None
             if stage is specify:
                 target = _specify_target(ctx.out_dir, opts.task_budget, accepted, opts.spec_margin)
+            elif stage is solve:  # enough solved tasks for the budget, past those inspect has dropped
+                target = opts.task_budget + _n_dropped(ctx.out_dir, inspect)
             elif stage is inspect:
                 target = opts.task_budget
             inputs = run_stage(stage, inputs, ctx, target_ok=target, progress=progress)
@@ -212,11 +214,15 @@ def _one_round(ctx: Context, wanted: set[str], accepted: int, timings: dict[str,
     return _n_ok(ctx.out_dir, inspect)
 
 
+def _n_dropped(out: Path, stage: ModuleType) -> int:
+    return sum(not r.ok for r in StageStore(out, stage.NAME, stage.OUTPUT).load().values())
+
+
 def _specify_target(out: Path, budget: int, accepted: int, margin: float) -> int:
     """Total ok specs wanted: those already made, plus `margin` x the missing tasks, less the specs still
     in the pipe (ok in specify, not dropped by build, solve or inspect, not yet accepted)."""
     n_spec = _n_ok(out, specify)
-    dropped = sum(not r.ok for s in (build, solve, inspect) for r in StageStore(out, s.NAME, s.OUTPUT).load().values())
+    dropped = sum(_n_dropped(out, s) for s in (build, solve, inspect))
     in_pipe = max(n_spec - dropped - accepted, 0)
     return n_spec + max(math.ceil(max(budget - accepted, 0) * margin) - in_pipe, 0)
 
