@@ -5,6 +5,8 @@
   flashpost-factory show DIR TASK_ID        every stage's record of one task
   flashpost-factory stats DIR               the stage funnel with drop reasons
 
+Bad input (an unfetchable --repo, a non-positive budget, an --out of another repository's run, a folder
+that is no run) exits 2 before any stage runs, naming the fix; Ctrl-C keeps finished units and exits 130.
 Flag names follow `rl.config.SynthConfig` (repo, out_dir, task_budget, concurrency, flaky_reruns).
 Not here: stage logic (synth/stages) or sequencing (synth/runner.py).
 """
