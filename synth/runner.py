@@ -179,8 +179,10 @@ def run_factory(opts: FactoryOptions, *, stages: Iterable[str] | None = None, pr
         ctx.close()
     accepted_tasks = [Task.from_dict(r.task) for r in StageStore(out, inspect.NAME, inspect.OUTPUT).load().values()
                       if r.ok]
-    save_tasks(accepted_tasks, out / "tasks.json")
+    # units in flight when inspect reached the budget finish and stay in its journal; tasks.json holds the budget
+    save_tasks(accepted_tasks[:opts.task_budget], out / "tasks.json")
     result = stats(out)
+    result["tasks_saved"] = min(len(accepted_tasks), opts.task_budget)
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["reaped_stale_containers"] = len(reaped)
     result["stage_seconds"] = timings
