@@ -42,7 +42,8 @@ def _build(args: argparse.Namespace) -> int:
         pol.max_new_tokens = args.policy_max_new_tokens
     result = run_factory(opts, stages=args.stages or None)
     _print_funnel(result)
-    print(f"{result['tasks']} task(s) passed every gate in {result['seconds']} s -> {Path(args.out) / 'tasks.json'}")
+    saved = result["tasks_saved"]
+    print(f"{saved} task(s) passed every gate in {result['seconds']} s -> {Path(args.out) / 'tasks.json'}")
     return 0 if result["tasks"] else 1
 
 
