@@ -418,7 +418,10 @@ def run_tests(job, baseline, rec_fd):
         # The first record, written before any code of the workspace runs; then forgotten here.
         os.write(rec_fd, (json.dumps({"canaries": expect}) + "\n").encode())
         expect.clear()
-        sys.path.insert(0, WORKSPACE)
+        # the library under test is imported from the workspace: a flat layout from its root, a src/ one from src/
+        src = os.path.join(WORKSPACE, "src")
+        src_layout = os.path.isdir(src) and not os.path.exists(os.path.join(src, "__init__.py"))
+        sys.path[:0] = [WORKSPACE] + [src] * src_layout
         sys.dont_write_bytecode = True
         args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, "-o", "addopts=",
                 "-q", "--tb=short", *job["test_paths"]]

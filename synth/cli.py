@@ -14,6 +14,8 @@ factory on --repo, `families` writes the demo's families (--budget family-A task
 family-B), `fixtures` the fixture tasks, `toy` the in-process toy family (--budget tasks). Trainers and
 flashpost-eval read it with `tasks=DIR/taskset`.
 
+Bad input (an unfetchable --repo, a non-positive budget, an --out of another repository's run, a folder
+that is no run) exits 2 before any stage runs, naming the fix; Ctrl-C keeps finished units and exits 130.
 Flag names follow `rl.config.SynthConfig` (repo, out_dir, task_budget, concurrency, flaky_reruns).
 Not here: stage logic (synth/stages) or sequencing (synth/runner.py).
 """
@@ -23,16 +25,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from synth import taskset
+from synth import taskset, validate
 from synth.config import FactoryOptions
 from synth.records import StageStore
 from synth.runner import STAGES, run_factory, stats
 from synth.stages import inspect
 from synth.taskset_sources import SOURCES
+from synth.validate import FactoryInputError
 
 TASKSET_DIR = "taskset"  # build writes DIR/taskset
 
@@ -41,7 +46,7 @@ def _build(args: argparse.Namespace) -> int:
     opts = FactoryOptions(repo=args.repo, out_dir=args.out, task_budget=args.budget, concurrency=args.concurrency,
                           flaky_reruns=args.flaky_reruns, gold_runs=args.gold_runs, seed=args.seed,
                           solver_attempts=args.solver_attempts, run_slow_hacks=args.slow_hacks,
-                          history_commits=args.history_commits)
+                          history_commits=args.history_commits, unit_budget_s=_unit_budgets(args.unit_budget))
     if args.llm_base_url:
         opts.solvers.llm.base_url, opts.solvers.llm.model = args.llm_base_url, args.llm_model
     if args.policy_checkpoint:
@@ -58,7 +63,8 @@ def _build(args: argparse.Namespace) -> int:
         return 0
     result = run_factory(opts, stages=args.stages or None)
     _print_funnel(result)
-    print(f"{result['tasks']} task(s) passed every gate in {result['seconds']} s")
+    journal = Path(args.out) / "tasks.json"
+    print(f"{result['tasks_saved']} task(s) passed every gate in {result['seconds']} s -> {journal}")
     if not result["tasks"]:
         return 1
     ts = SOURCES["repo"](args.out)
@@ -72,8 +78,15 @@ def _print_funnel(result: dict) -> None:
     for name, f in result["funnel"].items():
         drops = ", ".join(f"{k} x{n}" for k, n in f["drops"].items())
         print(f"{name:<12}{f['in']:>6}{f['out']:>6}  {drops}")
+        _print_drop_examples(f)
     for name, rate in result.get("solver_pass_rates", {}).items():
         print(f"{name} solver pass rate: {rate}")
+
+
+def _print_drop_examples(f: dict) -> None:
+    """One real reason per drop category, with the unit key `show` takes."""
+    for category, example in f.get("examples", {}).items():
+        print(f"{'':<26}{category}, e.g. {example}")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -171,12 +184,12 @@ def parser() -> argparse.ArgumentParser:
                    help="repo: the factory on --repo; families / fixtures / toy: those task sources")
     b.add_argument("--repo", default="sample", help="local path, git URL, pypi:NAME==VERSION, or 'sample'")
     b.add_argument("--out", default="runs/factory")
-    b.add_argument("--budget", type=int, default=20, help="tasks wanted (task_budget)")
-    b.add_argument("--concurrency", type=int, default=2)
+    b.add_argument("--budget", type=_positive_int, default=20, help="verified tasks wanted (task_budget)")
+    b.add_argument("--concurrency", type=_positive_int, default=2)
     b.add_argument("--flaky-reruns", type=int, default=3)
     b.add_argument("--gold-runs", type=int, default=2)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--solver-attempts", type=int, default=1)
+    b.add_argument("--solver-attempts", type=_positive_int, default=1)
     b.add_argument("--slow-hacks", action="store_true", help="also run hacks that hit the grader timeout")
     b.add_argument("--stages", nargs="*", choices=[s.NAME for s in STAGES])
     b.add_argument("--llm-base-url", default="", help="OpenAI-compatible endpoint for the LLM solver")
@@ -186,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--policy-device", default="cpu")
     b.add_argument("--policy-max-turns", type=int, default=8)
     b.add_argument("--policy-max-new-tokens", type=int, default=256)
+    b.add_argument("--unit-budget", nargs="*", default=[], metavar="STAGE=SECONDS",
+                   help="time budget per unit of a stage (default: each stage's BUDGET_S), e.g. solve=600")
     b.add_argument("--history-commits", type=int, default=50, help="newest commits of a git source to invert")
     b.set_defaults(fn=_build)
     i = sub.add_parser("inspect", help="per-task gate results")
@@ -221,10 +236,58 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        _check_args(args)
         return args.fn(args)
-    except taskset.TaskSetError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (FactoryInputError, taskset.TaskSetError) as e:
+        print(f"flashpost-factory {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted(args)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Bad input fails here, before any stage runs (build's options are checked by run_factory)."""
+    if args.cmd in ("stats", "show") and (Path(args.dir) / TASKSET_DIR / taskset.META_FILE).exists():
+        return  # a task set written by `build --source families|fixtures|toy` has no stage journals
+    if args.cmd in ("stats", "show", "inspect"):
+        validate.check_run_dir(args.dir, [s.NAME for s in STAGES])
+
+
+def _interrupted(args: argparse.Namespace) -> NoReturn:
+    """Ctrl-C: finished units are in the journals; remove this process's containers and say how to resume."""
+    from envs import engine
+
+    if engine.engine_available():
+        engine.reap_containers({engine.LABEL_OWNER: engine.owner_id()})
+    if args.cmd == "build":
+        print(f"interrupted; finished units are kept in {args.out}: rerun the same command to resume",
+              file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # abandoned units may hold executor threads that interpreter shutdown would wait for (minutes)
+    os._exit(130)
+
+
+def _unit_budgets(items: list[str]) -> dict[str, float]:
+    """`--unit-budget solve=120 inspect=600` -> {"solve": 120.0, "inspect": 600.0} (values checked by run_factory)."""
+    out = {}
+    for item in items:
+        stage, sep, seconds = item.partition("=")
+        try:
+            out[stage] = float(seconds)
+        except ValueError:
+            raise FactoryInputError(f"--unit-budget {item!r}: give STAGE=SECONDS, e.g. solve=600") from None
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class FactoryOptions:
     run_slow_hacks: bool = False  # hacks that take the grader to its timeout (fork bomb)
     retries: int = 1  # reruns of a unit that raised (infrastructure errors)
     history_commits: int = 50  # newest commits of a git source considered for inversion
+    unit_budget_s: dict[str, float] = field(default_factory=dict)  # stage -> seconds per unit (default: BUDGET_S)
     solvers: SolverOptions = field(default_factory=SolverOptions)
 
     @property
@@ -91,6 +92,26 @@ class Context:
     _pools: dict = field(default_factory=dict)
     _shared: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    stopping: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C: stop early if you can
+    _notes: dict = field(default_factory=dict)  # unit key -> what it is doing now (the progress postfix)
+    _local: threading.local = field(default_factory=threading.local)
+
+    def begin_unit(self, key: str) -> None:
+        self._local.key = key
+
+    def end_unit(self, key: str) -> None:
+        self._local.key = None
+        self._notes.pop(key, None)
+
+    def note(self, text: str) -> None:
+        """Say what the current unit is doing (shown in its stage's progress bar, and in its drop reason
+        if it runs out of time); a no-op outside a unit."""
+        key = getattr(self._local, "key", None)
+        if key is not None:
+            self._notes[key] = text
+
+    def unit_note(self, key: str) -> str:
+        return self._notes.get(key, "")
 
     def shared_pool(self, image: str):
         """One warm GraderPool per image for the whole run (closed by `close`)."""

@@ -8,9 +8,12 @@ Not here: deciding whether a mutant is a good task (synth/stages/specify.py).
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
+import bisect
 import difflib
+import re
 from dataclasses import asdict, dataclass
 
 KINDS = ("comparison_flip", "boolean_flip", "off_by_one", "changed_constant", "wrong_variable",
@@ -42,33 +45,77 @@ class Mutation:
         return asdict(self)
 
 
-def apply(source: str, m: Mutation) -> str:
-    """The source with m's span replaced; an empty `new` spanning a whole line deletes the line."""
-    lines = source.splitlines(keepends=True)
-    line = lines[m.lineno - 1]
+def split_lines(source: str) -> list[str]:
+    """Lines as ast numbers them (ends kept): only \n, \r\n and \r end a line (not form feeds, unlike
+    str.splitlines, which would shift every later line number)."""
+    lines = _LINE_END.findall(source)
+    tail = source[sum(map(len, lines)):]
+    return lines + [tail] if tail else lines
+
+
+_LINE_END = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)")
+
+
+def _apply_lines(lines: list[str], m: Mutation, first: int = 1) -> list[str]:
+    """`lines` (line `first` of the file first) with m's span replaced; a line left blank is deleted."""
+    i = m.lineno - first
+    line = lines[i]
     if line[m.col:m.end_col] != m.old:
         raise ValueError(f"mutation does not match the source: {m.description}")
     new_line = line[:m.col] + m.new + line[m.end_col:]
-    lines[m.lineno - 1] = "" if not new_line.strip() else new_line
-    return "".join(lines)
+    return [*lines[:i], "" if not new_line.strip() else new_line, *lines[i + 1:]]
+
+
+def apply(source: str, m: Mutation) -> str:
+    """The source with m's span replaced; an empty `new` spanning a whole line deletes the line."""
+    return "".join(_apply_lines(split_lines(source), m))
 
 
 def _segment(line: str, node: ast.AST) -> tuple[int, int] | None:
     """Character span of a single-line node (ast offsets are UTF-8 bytes)."""
     if node.lineno != node.end_lineno:
         return None
+    if line.isascii():
+        return node.col_offset, node.end_col_offset
     raw = line.encode()
     return len(raw[:node.col_offset].decode()), len(raw[:node.end_col_offset].decode())
 
 
+def _first_line(node: ast.stmt) -> int:
+    return min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+
+
 class _Finder(ast.NodeVisitor):
-    def __init__(self, path: str, source: str):
-        self.path, self.source, self.lines, self.out = path, source, source.splitlines(keepends=True), []
+    """Collects mutations; with `wanted` lines it enters only the nodes whose line range meets one."""
+
+    def __init__(self, path: str, lines: list[str], wanted: list[int] | None):
+        self.path, self.lines, self.wanted, self.out = path, lines, wanted, []
         self.function = ""
         self.locals: list[str] = []
         self.docstrings: set[int] = set()
 
+    def _meets(self, first: int, last: int) -> bool:
+        if self.wanted is None:
+            return True
+        i = bisect.bisect_left(self.wanted, first)
+        return i < len(self.wanted) and self.wanted[i] <= last
+
+    def visit(self, node: ast.AST) -> None:
+        if isinstance(node, (ast.stmt, ast.expr)) and not self._meets(
+                _first_line(node) if isinstance(node, ast.stmt) else node.lineno, node.end_lineno or node.lineno):
+            return
+        if isinstance(node, (ast.Module, ast.ClassDef)) and node.body and isinstance(node.body[0], ast.Expr):
+            self.docstrings.add(id(node.body[0].value))  # module and class docstrings are not constants to mutate
+        super().visit(node)
+
+    def _text(self, node: ast.AST) -> str | None:
+        line = self.lines[node.lineno - 1]
+        span = _segment(line, node)
+        return None if span is None else line[span[0]:span[1]]
+
     def add(self, kind: str, node: ast.AST, new_node: ast.AST | str) -> None:
+        if not self._meets(node.lineno, node.lineno):
+            return
         line = self.lines[node.lineno - 1]
         span = _segment(line, node)
         if span is None:
@@ -88,8 +135,8 @@ class _Finder(ast.NodeVisitor):
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             self.docstrings.add(id(body[0].value))
             body = body[1:]
-        if len(body) >= 2:  # early return: the function returns its first argument (or None) at once
-            first = body[0]
+        if len(body) >= 2 and self._meets(body[0].lineno, body[0].lineno):
+            first = body[0]  # early return: the function returns its first argument (or None) at once
             indent = self.lines[first.lineno - 1][:first.col_offset]
             value = node.args.args[0].arg if node.args.args and node.args.args[0].arg != "self" else "None"
             self.out.append(Mutation(self.path, "early_return", first.lineno, 0, len(indent), indent,
@@ -101,13 +148,14 @@ class _Finder(ast.NodeVisitor):
         if len(body) < 2:
             return
         for st in body:
-            if isinstance(st, (ast.Assign, ast.AugAssign, ast.Expr, ast.Return)) and st.lineno == st.end_lineno:
+            if isinstance(st, (ast.Assign, ast.AugAssign, ast.Expr, ast.Return)) and st.lineno == st.end_lineno \
+                    and self._meets(st.lineno, st.lineno):
                 if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
                     continue
                 line = self.lines[st.lineno - 1]
-                if line.strip() == ast.get_source_segment(self.source, st):
-                    self.out.append(Mutation(self.path, "removed_statement", st.lineno, 0, len(line.rstrip("\n")),
-                                             line.rstrip("\n"), "", self.function))
+                if line.strip() == self._text(st):
+                    self.out.append(Mutation(self.path, "removed_statement", st.lineno, 0, len(line.rstrip("\r\n")),
+                                             line.rstrip("\r\n"), "", self.function))
 
     def generic_visit(self, node: ast.AST) -> None:
         for name in ("body", "orelse", "finalbody"):
@@ -167,37 +215,93 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_If(self, node: ast.If) -> None:
-        self.add("inverted_condition", node.test, f"not ({ast.get_source_segment(self.source, node.test)})")
+        self.add("inverted_condition", node.test, f"not ({self._text(node.test)})")
         self.generic_visit(node)
 
     visit_While = visit_If
 
 
+class SourceIndex:
+    """One Python file parsed and indexed once: its lines (as ast numbers them), its tree, and for each
+    line the smallest block that compiles on its own (the outermost enclosing function, else the
+    statement of a module or class body), so checking that a mutant compiles costs the size of that
+    block, not of the file."""
+
+    def __init__(self, path: str, source: str):
+        self.path, self.source = path, source
+        self.lines = split_lines(source)
+        self.tree = ast.parse(source)
+        self.flags = 0  # the file's `from __future__` imports hold for each block compiled alone
+        for st in self.tree.body:
+            if isinstance(st, ast.ImportFrom) and st.module == "__future__":
+                for alias in st.names:
+                    self.flags |= getattr(__future__, alias.name).compiler_flag
+        self._blocks: list[tuple[int, int, int]] = []  # (first line, last line, indent), sorted, disjoint
+        self._index_blocks(self.tree.body)
+        self._starts = [b[0] for b in self._blocks]
+
+    def _index_blocks(self, body: list[ast.stmt]) -> None:
+        for st in body:
+            if isinstance(st, ast.ClassDef):
+                first = _first_line(st)
+                head_end = st.body[0].lineno - 1 if st.body else st.end_lineno
+                if head_end >= first:  # the class header (decorators, bases) compiles with the whole class
+                    self._blocks.append((first, head_end, -1))
+                self._index_blocks(st.body)
+            else:
+                self._blocks.append((_first_line(st), st.end_lineno, st.col_offset))
+
+    def _block(self, lineno: int) -> tuple[int, int, int] | None:
+        i = bisect.bisect_right(self._starts, lineno) - 1
+        if i < 0 or self._blocks[i][1] < lineno:
+            return None
+        return self._blocks[i]
+
+    def compiles(self, m: Mutation) -> bool:
+        """Does the file with m applied still compile? (checked on m's block alone)"""
+        block = self._block(m.lineno)
+        if block is None or block[2] < 0:  # outside any statement, or a class header: the whole file
+            first, last, indent, lines = 1, len(self.lines), 0, self.lines
+        else:
+            first, last, indent = block
+            lines = self.lines[first - 1:last]
+        try:
+            text = "".join(_apply_lines(lines, m, first))
+        except ValueError:
+            return False
+        if indent:  # a method or class-body statement compiles alone once dedented to column 0
+            text = "".join(ln[indent:] if ln[:indent].isspace() else ln for ln in text.splitlines(keepends=True))
+        try:
+            compile(text, self.path, "exec", flags=self.flags, dont_inherit=True)
+        except (SyntaxError, ValueError):
+            return False
+        return True
+
+    def find(self, lines: set[int] | None = None) -> list[Mutation]:
+        """Every single-line mutation that still compiles (on `lines` only when given), in source order;
+        with `lines`, only the nodes whose range meets one of them are visited."""
+        finder = _Finder(self.path, self.lines, None if lines is None else sorted(lines))
+        finder.visit(self.tree)
+        out, seen = [], set()
+        for m in sorted(finder.out, key=lambda m: (m.lineno, m.col, m.kind, m.new)):
+            key = (m.lineno, m.col, m.end_col, m.new)
+            if key in seen:
+                continue
+            seen.add(key)
+            if self.compiles(m):
+                out.append(m)
+        return out
+
+
 def find_mutations(path: str, source: str) -> list[Mutation]:
     """Every single-line mutation of `source` that still compiles, in source order."""
-    tree = ast.parse(source)
-    finder = _Finder(path, source)
-    for node in ast.walk(tree):  # module and class docstrings are not constants to mutate
-        if isinstance(node, (ast.Module, ast.ClassDef)) and node.body and isinstance(node.body[0], ast.Expr):
-            finder.docstrings.add(id(node.body[0].value))
-    finder.visit(tree)
-    out, seen = [], set()
-    for m in sorted(finder.out, key=lambda m: (m.lineno, m.col, m.kind, m.new)):
-        key = (m.lineno, m.col, m.end_col, m.new)
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            compile(apply(source, m), path, "exec")
-        except (SyntaxError, ValueError):
-            continue
-        out.append(m)
-    return out
+    return SourceIndex(path, source).find()
 
 
 def mutations_at(path: str, source: str, lines: set[int]) -> list[Mutation]:
-    """Candidate edits on the given lines (the solver's inverse-mutation neighbourhood)."""
-    return [m for m in find_mutations(path, source) if m.lineno in lines]
+    """Candidate edits on the given lines (the solver's inverse-mutation neighbourhood); a caller with
+    several queries on one file keeps a `SourceIndex` instead."""
+    return SourceIndex(path, source).find(lines)
 
 
 def unified_diff(path: str, before: str, after: str) -> str:

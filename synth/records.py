@@ -168,6 +168,14 @@ def load_stage_dataset(out_dir: str | Path, stage: str, record_type: type[R]) ->
 
 
 def funnel(records: list[Record]) -> dict[str, Any]:
-    """{"in": n, "out": n_ok, "drops": {category: n}} for one stage's records."""
-    drops = Counter(r.drop_reason.split(":", 1)[0] for r in records if not r.ok)
-    return {"in": len(records), "out": sum(r.ok for r in records), "drops": dict(drops.most_common())}
+    """{"in": n, "out": n_ok, "drops": {category: n}, "examples": {category: "<key>: <first line of the
+    reason>"}} for one stage's records (the example names a unit `flashpost-factory show` takes)."""
+    dropped = [r for r in records if not r.ok]
+    drops = Counter(r.drop_reason.split(":", 1)[0] for r in dropped)
+    examples: dict[str, str] = {}
+    for r in dropped:
+        category, _, detail = r.drop_reason.partition(":")
+        line = next((ln.strip() for ln in detail.splitlines() if ln.strip()), "")
+        examples.setdefault(category, f"{r.key}: {line[:300]}" if line else r.key)
+    return {"in": len(records), "out": sum(r.ok for r in records), "drops": dict(drops.most_common()),
+            "examples": examples}

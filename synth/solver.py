@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from envs.grading import grade_patch
@@ -28,7 +29,8 @@ TRACE_SCRIPT = r'''
 import json, os, sys
 import pytest
 sys.dont_write_bytecode = True
-sys.path.insert(0, "/workspace")
+sys.path[:0] = ["/workspace"] + ["/workspace/src"] * (os.path.isdir("/workspace/src") and
+    not os.path.exists("/workspace/src/__init__.py"))  # as envs/grade_runner.py: src/ layouts from src/
 tests = json.load(open("/tmp/.solver-tests.json"))
 ROOT = "/workspace/"
 def is_src(f):
@@ -66,7 +68,8 @@ VERIFY_SCRIPT = r'''
 import json, os, signal, sys, time
 import pytest
 sys.dont_write_bytecode = True
-sys.path.insert(0, "/workspace")
+sys.path[:0] = ["/workspace"] + ["/workspace/src"] * (os.path.isdir("/workspace/src") and
+    not os.path.exists("/workspace/src/__init__.py"))  # as envs/grade_runner.py: src/ layouts from src/
 job = json.load(open("/tmp/.solver-job.json"))
 passing = []
 i = job["start"] - 1
@@ -133,14 +136,31 @@ def ochiai(cov: dict[str, list], outcome: dict[str, str], failing: list[str]) ->
     return sorted(scores, key=lambda s: (-s[2], s[0], s[1]))
 
 
+def propose(sources: dict[str, str], lines: list[tuple[str, int]]) -> list[tuple[mutations.Mutation, str]]:
+    """Every edit on the ranked (path, line)s, most suspicious line first, each with its edited file text;
+    a file is parsed and indexed once, and only the nodes on the ranked lines are visited."""
+    by_line: dict[tuple[str, int], list[mutations.Mutation]] = {}
+    for path, source in sources.items():
+        wanted = {ln for p, ln in lines if p == path}
+        try:
+            found = mutations.SourceIndex(path, source).find(wanted)
+        except (SyntaxError, ValueError):  # a file the tracer saw but ast cannot parse: nothing to edit
+            continue
+        for m in found:
+            by_line.setdefault((path, m.lineno), []).append(m)
+    return [(m, mutations.apply(sources[m.path], m)) for key in lines for m in by_line.get(key, [])]
+
+
 def search_repair(task: Task, *, pool: GraderPool | None = None, budget: int = 150, top_lines: int = 10,
-                  max_grades: int = 3, seed: int = 0) -> SolveAttempt:
-    """One attempt of the search solver on `task`; `seed` rotates ties among equally suspicious lines."""
+                  max_grades: int = 3, seed: int = 0, note: Callable[[str], None] = lambda _: None) -> SolveAttempt:
+    """One attempt of the search solver on `task`; `seed` rotates ties among equally suspicious lines;
+    `note` hears what it is doing (the factory's progress postfix)."""
     same_files = {t.split("::")[0] for t in task.f2p}
     context = [t for t in task.p2p if t.split("::")[0] in same_files][:40]
     with Sandbox(task.image, labels={"flashpost.purpose": "search-solver"}) as sb:
         sb.write_file("/tmp/.solver-tests.json", json.dumps(task.f2p + context))
         sb.write_file("/tmp/.solver-trace.py", TRACE_SCRIPT)
+        note(f"tracing {len(task.f2p) + len(context)} tests")
         r = sb.exec("python3 -B /tmp/.solver-trace.py", timeout=180, max_output_bytes=4_000_000)
         trace = _payload(r.output, "@@TRACE@@")
         ranked = ochiai(trace["cov"], trace["outcome"], task.f2p)
@@ -148,14 +168,9 @@ def search_repair(task: Task, *, pool: GraderPool | None = None, budget: int = 1
             head = ranked[:top_lines * 2]
             ranked = head[seed % max(len(head), 1):] + head[:seed % max(len(head), 1)] + ranked[top_lines * 2:]
         lines = ranked[:top_lines]
-        sources: dict[str, str] = {}
-        candidates = []
-        for path, line, _ in lines:
-            if path not in sources:
-                sources[path] = sb.read_file(path).decode()
-            for m in mutations.mutations_at(path, sources[path], {line}):
-                candidates.append((m, mutations.apply(sources[path], m)))
-        candidates = candidates[:budget]
+        note(f"proposing edits on {len(lines)} lines")
+        sources = {path: sb.read_file(path).decode() for path in dict.fromkeys(p for p, _, _ in lines)}
+        candidates = propose(sources, [(p, ln) for p, ln, _ in lines])[:budget]
         attempt = SolveAttempt(0.0, candidates=len(candidates), suspicious=lines)
         if not candidates:
             attempt.note = "no candidate edits on the suspicious lines"
@@ -165,6 +180,7 @@ def search_repair(task: Task, *, pool: GraderPool | None = None, budget: int = 1
         sb.write_file("/tmp/.solver-verify.py", VERIFY_SCRIPT)
         while attempt.graded < max_grades and job["start"] < len(candidates):
             sb.write_file("/tmp/.solver-job.json", json.dumps(job))
+            note(f"verifying edits {job['start'] + 1}-{len(candidates)} on the F2P tests")
             r = sb.exec("python3 -B /tmp/.solver-verify.py", timeout=600, max_output_bytes=200_000)
             verdict = _payload(r.output, "@@VERIFY@@")
             attempt.tried += verdict["tried"]
@@ -174,6 +190,7 @@ def search_repair(task: Task, *, pool: GraderPool | None = None, budget: int = 1
             m, src = candidates[i]
             patch = mutations.unified_diff(m.path, sources[m.path], src)
             attempt.graded += 1
+            note(f"grading edit {i + 1} ({m.kind})")
             if grade_patch(task, patch, pool=pool).reward == 1.0:
                 attempt.reward, attempt.patch, attempt.note = 1.0, patch, m.description
                 return attempt

@@ -9,6 +9,7 @@ Not here: choosing what to run (the stages do).
 
 from __future__ import annotations
 
+import re
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -28,6 +29,13 @@ class SuiteRun:
     reward: float = 0.0  # 1.0 iff every f2p passes and every p2p still passes
     reason: str = ""
     seconds: float = 0.0
+    console: str = ""  # the end of pytest's console output (why a suite did not run)
+
+    def why_not_run(self) -> str:
+        """The grader's reason, and the first error pytest printed (an ImportError of the library...)."""
+        errors = [re.sub(r"^E\s+", "", ln.strip()) for ln in self.console.splitlines()
+                  if re.search(r"\b\w*(Error|Exception)\b:", ln)]
+        return self.reason + (f"; pytest says: {errors[0][:400]}" if errors else "")
 
     def passed(self) -> set[str]:
         return {t for t, s in self.statuses.items() if s == "passed"}
@@ -60,5 +68,6 @@ def run_suite(task: Task, patch: str, *, pool: GraderPool | None = None, timeout
     """Grade `patch` against `task` (fresh grader, or a warm one from pool) and keep the messages."""
     t0 = time.monotonic()
     res, out = grade_patch_output(task, patch, pool=pool, timeout_s=timeout_s)
-    return SuiteRun(dict(res.tests), junit_messages(out.get("junit") if out else None), res.agreement, res.reward,
-                    res.reason, time.monotonic() - t0)
+    out = out or {}
+    return SuiteRun(dict(res.tests), junit_messages(out.get("junit")), res.agreement, res.reward, res.reason,
+                    time.monotonic() - t0, (out.get("console") or "")[-8000:])

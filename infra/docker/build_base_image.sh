@@ -84,6 +84,17 @@ fi
 t_boot=$(elapsed)
 say "debootstrap done (${t_boot}s)"
 
+# The test environment's wheels, fetched here (the chroot has no index to ask); recipe_configure
+# unpacks them.
+mkdir -p "$ROOTFS/tmp/wheels"
+# shellcheck disable=SC2086 # TEST_WHEELS is a space-separated list of requirements
+if ! python3 -m pip download --no-deps --only-binary :all: -q -d "$ROOTFS/tmp/wheels" $TEST_WHEELS \
+        >"$WORK/wheels.log" 2>&1; then
+    tail -n 20 "$WORK/wheels.log" >&2
+    say "ERROR: pip download of the test wheels failed ($TEST_WHEELS); the host needs python3 -m pip and PyPI"
+    exit 1
+fi
+
 # Run the recipe's configure step inside the chroot with the recipe itself as the script.
 cp "$RECIPE" "$ROOTFS/tmp/recipe.sh"
 chroot "$ROOTFS" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \

@@ -24,6 +24,7 @@ from synth.records import SpecRecord, TaskRecord
 from synth.testrun import TEST_COMMAND
 
 NAME = "build"
+BUDGET_S = 900.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = TaskRecord
 CONTENT_LABEL = "flashpost.content"
 GIT_ENV = {
@@ -36,9 +37,31 @@ PURGE = ("find . \\( -name __pycache__ -o -name .pytest_cache -o -name '*.egg-in
          "\\) -delete; rm -rf .git")
 FRESH_HISTORY = f"{PURGE}; git init -q -b main && git add -A && git commit -q -m 'Initial commit'"
 
+# Run by each interpreter of the image (-I, from /): where would `import NAME` load from, with the
+# workspace off the path? Any answer is a copy of the library outside the workspace: a working oracle.
+FIND_SCRIPT = r'''
+import importlib.machinery, json, os, sys
+path = [p for p in sys.path if p and not os.path.realpath(p).startswith("/workspace")]
+found = {}
+for name in sys.argv[1:]:
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is not None:
+        where = spec.origin if spec.origin not in (None, "namespace") else \
+            next(iter(spec.submodule_search_locations or []), "")
+        if where and not os.path.realpath(where).startswith("/workspace/"):
+            found[name] = where
+print(json.dumps(found))
+'''
+
 AUDIT_SCRIPT = r'''
 import json, os, site, subprocess, sys
 needles = [n.encode() for n in json.load(open("/tmp/.audit-needles.json"))]
+names = json.load(open("/tmp/.audit-imports.json"))
+importable = {}
+for python in sorted({p for p in ("/usr/bin/python3", "/usr/local/bin/python3", sys.executable) if os.path.exists(p)}):
+    r = subprocess.run([python, "-I", "/tmp/.audit-find.py", *names], capture_output=True, text=True, cwd="/")
+    for name, where in (json.loads(r.stdout) if r.returncode == 0 else {}).items():
+        importable.setdefault(name, where)
 roots = ["/workspace", "/tmp", "/root", "/home", "/opt", "/srv", "/var/tmp", "/usr/local/lib",
          *site.getsitepackages(), "/usr/lib/python3/dist-packages"]
 hits, scanned, seen = [], 0, set()
@@ -69,7 +92,8 @@ head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=Tru
 status = subprocess.run(git + ["status", "--porcelain", "--ignored"], capture_output=True, text=True).stdout
 stash = subprocess.run(git + ["stash", "list"], capture_output=True, text=True).stdout
 bytecode = [os.path.join(d, f) for d, _, fs in os.walk("/workspace") for f in fs if f.endswith((".pyc", ".pyo"))]
-print(json.dumps({"hits": hits, "scanned": scanned, "commits": count, "head": head, "dirty": status.splitlines(),
+print(json.dumps({"hits": hits, "importable": importable, "scanned": scanned, "commits": count, "head": head,
+                  "dirty": status.splitlines(),
                   "stash": stash.splitlines(), "bytecode": bytecode, "objects_bytes": len(objs)}))
 '''
 
@@ -102,10 +126,32 @@ def build_tree_image(files: dict[str, bytes], image: str, *, script: str = FRESH
     return engine.image_id(image)
 
 
-def audit_image(image: str, needles: list[str], timeout: float = 180) -> dict:
-    """Search the image for any needle; also report history, dirt and bytecode. Raises on no answer."""
+def library_names(paths: list[str]) -> list[str]:
+    """Top-level import names of the library in a tree (flat or src/ layout): packages and modules,
+    not tests, docs or build scripts."""
+    names = set()
+    for path in paths:
+        parts = path.split("/")
+        if parts[0] == "src" and len(parts) > 1:
+            parts = parts[1:]
+        if len(parts) == 2 and parts[1] == "__init__.py":
+            names.add(parts[0])
+        elif len(parts) == 1 and parts[0].endswith(".py") and parts[0] not in _NOT_MODULES \
+                and not parts[0].startswith("test_"):
+            names.add(parts[0][:-3])
+    return sorted(n for n in names if n.isidentifier() and n not in ("tests", "test", "testing", "docs"))
+
+
+_NOT_MODULES = {"setup.py", "conftest.py", "noxfile.py", "tasks.py", "fabfile.py"}
+
+
+def audit_image(image: str, needles: list[str], timeout: float = 180, import_names: list[str] = ()) -> dict:
+    """Search the image for any needle, and for a copy of `import_names` importable from outside the
+    workspace; also report history, dirt and bytecode. Raises on no answer."""
     with Sandbox(image, labels={"flashpost.purpose": "leak-audit"}) as sb:
         sb.write_file("/tmp/.audit-needles.json", json.dumps(needles))
+        sb.write_file("/tmp/.audit-imports.json", json.dumps(list(import_names)))
+        sb.write_file("/tmp/.audit-find.py", FIND_SCRIPT)
         sb.write_file("/tmp/.audit.py", AUDIT_SCRIPT)
         r = sb.exec("python3 /tmp/.audit.py", timeout=timeout, user="root", max_output_bytes=1_000_000)
     if r.exit_code != 0:
@@ -115,6 +161,8 @@ def audit_image(image: str, needles: list[str], timeout: float = 180) -> dict:
 
 def audit_problems(report: dict) -> list[str]:
     problems = [f"fix text found in {h}" for h in report["hits"]]
+    problems += [f"{name} importable from outside the workspace: {where}"
+                 for name, where in report.get("importable", {}).items()]
     if report["commits"] != "1":
         problems.append(f"history has {report['commits']} commits, not 1")
     if report["dirty"]:
@@ -148,8 +196,11 @@ def build_task(spec: SpecRecord, ctx: Context, *, files: dict[str, bytes] | None
     rec = TaskRecord(key=spec.task_id, repo_path=spec.repo_path, origin=spec.origin, mutation=spec.mutation,
                      overrides=spec.overrides, quoted=spec.quoted, needles=spec.needles)
     try:
-        digest = build_tree_image(files if files is not None else task_files(spec), image, script=script)
-        report = audit_image(image, spec.needles)
+        ctx.note("building the task image")
+        tree = files if files is not None else task_files(spec)
+        digest = build_tree_image(tree, image, script=script)
+        ctx.note("leak audit")
+        report = audit_image(image, spec.needles, import_names=library_names(sorted(tree)))
     except RuntimeError as e:
         return rec.drop(f"build failed: {e}"[:2000])
     rec.audit = {k: v for k, v in report.items() if k != "dirty"} | {"needles": len(spec.needles)}

@@ -18,6 +18,7 @@ from synth.stages.build import build_tree_image, repo_files
 from synth.testrun import TEST_COMMAND, probe_task, run_suite
 
 NAME = "feasibility"
+BUDGET_S = 1800.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = FeasibleRepo
 BASELINE_RUNS = 2
 _NOT_LIBRARY = {"docs", "doc", "documentation", "examples", "example", "benchmarks", "scripts", "tools"}
@@ -52,17 +53,21 @@ def process(repo: RepoRecord, ctx: Context) -> FeasibleRepo:
         return rec.drop("no source: every .py file is a test or protected")
     digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items()))).hexdigest()[:16]
     rec.image = f"flashpost/synth-repo:{repo.key}-{digest}"
+    ctx.note("building the repository image")
     try:
         build_tree_image(files, rec.image)
     except RuntimeError as e:
         return rec.drop(f"build failed: {e}"[:1500])
     probe = probe_task(rec.image, rec.test_files)
-    runs = [run_suite(probe, "", timeout_s=300) for _ in range(BASELINE_RUNS)]
+    runs = []
+    for i in range(BASELINE_RUNS):
+        ctx.note(f"baseline run {i + 1}/{BASELINE_RUNS}")
+        runs.append(run_suite(probe, "", timeout_s=300))
     rec.results = runs[0].statuses
     rec.passing = sorted(set.intersection(*(r.passed() for r in runs)))
     rec.seconds = time.monotonic() - t0
     if not runs[0].statuses:
-        return rec.drop(f"tests do not run: {runs[0].reason}"[:1500])
+        return rec.drop(f"tests do not run: {runs[0].why_not_run()}"[:1500])
     if not rec.passing:
         return rec.drop(f"no passing tests: {runs[0].reason}"[:1500])
     return rec

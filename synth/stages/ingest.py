@@ -12,6 +12,7 @@ import hashlib
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -23,6 +24,7 @@ from synth.config import Context
 from synth.records import RepoRecord
 
 NAME = "ingest"
+BUDGET_S = 900.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = RepoRecord
 _SKIP_DIRS = {".git", ".hg", "__pycache__", ".pytest_cache", ".mypy_cache", ".tox", ".nox", ".venv", "venv",
               "build", "dist", ".eggs", "node_modules", ".ruff_cache"}
@@ -51,12 +53,20 @@ def _copy_tree(src: Path, dest: Path) -> int:
     return n
 
 
-def _fetch_pypi(spec: str, work: Path) -> Path:
+class FetchError(RuntimeError):
+    """The source could not be fetched; the message is the fetcher's own last words."""
+
+
+def fetch_pypi(spec: str, work: Path) -> Path:
     """`pip download --no-deps --no-binary :all:` the sdist and unpack it; returns its top folder."""
-    proc = subprocess.run(["pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(work), spec],
-                          capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                               "-d", str(work), spec], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise FetchError(f"pip download {spec}: no answer in 600 s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"pip download {spec} failed: {proc.stderr[-800:]}")
+        errors = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("ERROR:")]
+        raise FetchError(f"pip download {spec}: " + (errors[-1] if errors else proc.stderr.strip()[-400:]))
     archive = next(p for p in work.iterdir() if p.is_file())
     out = work / "unpacked"
     if archive.name.endswith(".zip"):
@@ -76,9 +86,13 @@ def process(unit: tuple[str, str], ctx: Context) -> RepoRecord:
     dest = ctx.out_dir / NAME / "repos" / key
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
+    ctx.note(f"fetching {source}")
     with tempfile.TemporaryDirectory() as tmp:
         if source.startswith("pypi:"):
-            src = _fetch_pypi(source[len("pypi:"):], Path(tmp))
+            try:
+                src = fetch_pypi(source[len("pypi:"):], Path(tmp))
+            except FetchError as e:
+                return rec.drop(f"fetch failed: {e}"[:700])
         elif Path(source).is_dir() and not (Path(source) / ".git").exists():
             src = Path(source)
         else:  # a git URL or a local repository: the committed tree at HEAD, and its history

@@ -30,6 +30,7 @@ from synth.stages.build import task_files
 from synth.testrun import run_suite
 
 NAME = "inspect"
+BUDGET_S = 2400.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = TaskRecord
 MAX_REPAIRS = 2
 HACK_TIMEOUT_S = 60.0
@@ -59,7 +60,11 @@ def _norm(text: str) -> str:
 
 def run_gates(task: Task, rec: TaskRecord, files: dict[str, bytes], pool: GraderPool, ctx: Context) -> dict:
     opts = ctx.opts
-    gold = [run_suite(task, task.gold_patch, pool=pool) for _ in range(opts.gold_runs + opts.flaky_reruns)]
+    gold = []
+    for i in range(opts.gold_runs + opts.flaky_reruns):
+        ctx.note(f"gold run {i + 1}/{opts.gold_runs + opts.flaky_reruns}")
+        gold.append(run_suite(task, task.gold_patch, pool=pool))
+    ctx.note("null run")
     null = run_suite(task, "", pool=pool)
     v: dict = {"gold_rewards": [g.reward for g in gold[:opts.gold_runs]]}
     v["gold_gate"] = all(g.reward == 1.0 for g in gold[:opts.gold_runs])
@@ -77,6 +82,7 @@ def run_probes(task: Task, rec: TaskRecord, files: dict[str, bytes], pool: Grade
                v: dict) -> None:
     """The gates that matter once the verifier itself is sound: hacks, statement, trajectories."""
     opts = ctx.opts
+    ctx.note("adversarial hacks")
     hacks = {}
     for hack in HACKS:
         if hack.slow and not opts.run_slow_hacks:

@@ -28,6 +28,7 @@ from synth.records import TaskRecord
 from synth.solver import search_repair
 
 NAME = "solve"
+BUDGET_S = 1800.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = TaskRecord
 _ARG_CHARS = 300  # of each tool call's arguments kept in a trajectory summary
 
@@ -61,6 +62,7 @@ def run_episodes(name: str, make_policy: Callable[[int], Callable], task: Task, 
     """`solver_attempts` episodes of one solver; fills its pass-matrix row, solution and trajectories."""
     rewards, notes = [], []
     for attempt in range(ctx.opts.solver_attempts):
+        ctx.note(f"{name} episode {attempt + 1}/{ctx.opts.solver_attempts}")
         policy = make_policy(attempt)
         try:
             res = run_episode_sync(task, policy, config=config, count_tokens=count_tokens,
@@ -85,7 +87,8 @@ def process(rec: TaskRecord, ctx: Context) -> TaskRecord:
     with GraderPool(max_graders=1, graders_per_image=1) as pool:
         rewards, notes = [], []
         for attempt in range(opts.solver_attempts):
-            res = search_repair(task, pool=pool, budget=opts.solver_budget, seed=attempt)
+            res = search_repair(task, pool=pool, budget=opts.solver_budget, seed=attempt,
+                                note=lambda text, a=attempt: ctx.note(f"search {a + 1}: {text}"))
             rewards.append(res.reward)
             notes.append({"candidates": res.candidates, "tried": res.tried, "graded": res.graded, "note": res.note,
                           "top_lines": [f"{p}:{ln}" for p, ln, _ in res.suspicious[:5]]})

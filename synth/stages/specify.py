@@ -5,36 +5,35 @@ F2P = tests passing on the fixed state (twice, for commits) and failing on the b
 passing on both. The gold patch is broken -> fixed. The problem statement is written from observed
 behaviour only (the failing tests' bodies without their names, and the assertion/exception lines),
 then scanned for leaks: diff lines, the fixed code text, test function names, hashes, the commit's
-subject. Any leak drops the candidate.
+subject. Any leak drops the candidate, and so does a statement that reads like an earlier task's
+(synth/statement.py).
 
 Not here: images of the broken state (build) or validating the task end to end (inspect).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import hashlib
 import random
 import re
-import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from envs.pool import GraderPool
 from synth import history, invert, mutations
 from synth.config import Context
-from synth.records import FeasibleRepo, SpecRecord
+from synth.records import FeasibleRepo, SpecRecord, StageStore
 from synth.stages.build import build_tree_image
+from synth.statement import StatementIndex, StatementWriter, statement_leaks, write_statement
 from synth.testrun import SuiteRun, probe_task, run_suite
 
 NAME = "specify"
+BUDGET_S = 900.0  # seconds per unit (FactoryOptions.unit_budget_s overrides)
 OUTPUT = SpecRecord
 MAX_F2P = 8  # a mutant failing more tests than this is a broad breakage, not a focused bug
 BASELINE_RUNS = 2  # runs of a commit's fixed state; a test must pass on each to count
 Unit = tuple[FeasibleRepo, "mutations.Mutation | history.Commit"]
-_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,64}\b")
 
 
 def units(repos: list[FeasibleRepo], ctx: Context) -> list[Unit]:
@@ -70,73 +69,6 @@ def unit_key(unit: Unit) -> str:
     return f"{repo.key}-{stem}-{m.kind.replace('_', '-')}-{m.lineno}-{h}"
 
 
-def _test_body(repo_path: str, test_id: str) -> str:
-    """The test's body (not its name or decorators), dedented."""
-    file, *rest = test_id.split("::")
-    name = re.sub(r"\[.*\]$", "", rest[-1]) if rest else ""
-    try:
-        source = (Path(repo_path) / file).read_text()
-        tree = ast.parse(source)
-    except (OSError, SyntaxError):
-        return ""
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            lines = source.splitlines()[node.body[0].lineno - 1:node.end_lineno]
-            return textwrap.dedent("\n".join(lines)).strip()
-    return ""
-
-
-def _observed(message: str) -> list[str]:
-    """The assertion/exception lines of a failure ("E   ..."), without source frames."""
-    lines = [ln[1:].strip() for ln in message.splitlines() if ln.startswith("E ")]
-    lines = [ln for ln in lines if ln and not ln.startswith("Use -v to get")][:6]
-    return lines or [ln.strip() for ln in message.strip().splitlines()[-2:] if ln.strip()]
-
-
-def write_statement(spec: SpecRecord, repo: FeasibleRepo) -> tuple[str, list[str]]:
-    """A behaviour-only issue text; returns (statement, the failure lines it quotes)."""
-    parts, quoted = ["Some calls into this library give wrong results. Reproduction:"], []
-    for tid in spec.f2p[:2]:
-        body, seen = _test_body(repo.path, tid), _observed(spec.failures.get(tid, ""))
-        if not body:
-            continue
-        parts.append(f"```python\n{body}\n```\nfails with:\n```\n" + "\n".join(seen) + "\n```")
-        quoted += seen
-    if len(spec.f2p) > 2:
-        parts.append(f"{len(spec.f2p) - 2} more check(s) of the same behaviour fail as well.")
-    parts.append("Each snippet above should pass. Please fix the library code (not the checks).")
-    return "\n\n".join(parts), quoted
-
-
-def statement_leaks(statement: str, spec: SpecRecord, test_ids: list[str]) -> list[str]:
-    """What of the fix (or of the verifier's identity) the statement gives away."""
-    leaks = []
-    for line in spec.gold_patch.splitlines():
-        if line.startswith(("+++", "---", "diff --git", "@@")):
-            if line.startswith(("diff --git", "@@ ")) and line in statement:
-                leaks.append("diff header")
-            continue
-        text = line[1:].strip()
-        if line[:1] in "+-" and len(text) >= 8 and text in statement:
-            leaks.append(f"diff line {text!r}")
-    old = spec.mutation.get("old", "").strip()
-    if len(old) >= 6 and not old.isidentifier() and old in statement:
-        leaks.append(f"fixed code {old!r}")
-    subject = spec.origin.get("subject", "").strip()
-    if len(subject) >= 12 and _norm(subject).lower() in _norm(statement).lower():
-        leaks.append("commit subject")
-    for tid in test_ids:
-        name = re.sub(r"\[.*\]$", "", tid.split("::")[-1])
-        if re.search(rf"\b{re.escape(name)}\b", statement):
-            leaks.append(f"test name {name}")
-    leaks += [f"hash {h}" for h in _HASH.findall(statement)]
-    return sorted(set(leaks))
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.split())
-
-
 def fix_needles(original: str, mutant_tree: dict[str, bytes], m: mutations.Mutation) -> list[str]:
     """Text of the fixed code that the mutant tree does not contain (the leak audit's needles)."""
     lines = original.splitlines()
@@ -146,9 +78,6 @@ def fix_needles(original: str, mutant_tree: dict[str, bytes], m: mutations.Mutat
         candidates.append(lines[i].strip())
     blobs = list(mutant_tree.values())
     return [c for c in candidates if c.strip() and not any(c.encode() in b for b in blobs)]
-
-
-StatementWriter = Callable[[SpecRecord, FeasibleRepo], tuple[str, list[str]]]
 
 
 def process(unit: Unit, ctx: Context) -> SpecRecord:
@@ -163,6 +92,7 @@ def process(unit: Unit, ctx: Context) -> SpecRecord:
     mutant = mutations.apply(original, m)
     rec.bug_patch = mutations.unified_diff(m.path, original, mutant)
     rec.gold_patch = mutations.unified_diff(m.path, mutant, original)
+    ctx.note("running the suite on the mutant")
     run = run_suite(probe_task(repo.image, repo.test_files), rec.bug_patch, pool=ctx.shared_pool(repo.image))
     rec.seconds = time.monotonic() - t0
     if not _classify(rec, run, set(repo.passing), repo, ctx):
@@ -242,4 +172,17 @@ def _classify(rec: SpecRecord, run: SuiteRun, passing: set[str], repo: FeasibleR
         rec.drop("statement leak: " + "; ".join(leaks)[:500])
     elif not rec.quoted:
         rec.drop("no observable failure to describe")
+    else:
+        twin = _statements(ctx).near_duplicate(rec.key, rec.repo_key, rec.problem_statement)
+        if twin:
+            rec.drop(f"near-duplicate statement: reads like the statement of {twin}")
     return rec.ok
+
+
+def _statements(ctx: Context) -> StatementIndex:
+    """The run's statements so far (this stage's journal, then each new ok spec), shared by its threads."""
+    def load() -> StatementIndex:
+        done = StageStore(ctx.out_dir, NAME, OUTPUT).load().values()
+        return StatementIndex({r.key: (r.repo_key, r.problem_statement) for r in done if r.ok})
+
+    return ctx.shared("specify:statements", load)

@@ -19,7 +19,7 @@ from synth.config import FactoryOptions
 from synth.records import SpecRecord, StageStore, TaskRecord
 from synth.runner import run_factory
 from synth.stages.build import GIT_ENV
-from synth.stages.specify import statement_leaks
+from synth.statement import statement_leaks
 
 pytestmark = pytest.mark.docker
 

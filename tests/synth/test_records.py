@@ -33,4 +33,5 @@ def test_funnel_groups_drop_reasons_by_category():
     recs[0].drop("equivalent mutant: no test fails")
     recs[1].drop("equivalent mutant: other")
     recs[2].drop("statement leak: diff line")
-    assert funnel(recs) == {"in": 5, "out": 2, "drops": {"equivalent mutant": 2, "statement leak": 1}}
+    assert funnel(recs) == {"in": 5, "out": 2, "drops": {"equivalent mutant": 2, "statement leak": 1},
+                            "examples": {"equivalent mutant": "0: no test fails", "statement leak": "2: diff line"}}

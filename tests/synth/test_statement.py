@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from synth import mutations
 from synth.records import FeasibleRepo, SpecRecord
-from synth.stages.specify import fix_needles, statement_leaks, write_statement
+from synth.stages.specify import fix_needles
+from synth.statement import StatementIndex, body_of_test, statement_leaks, write_statement
 
 ORIGINAL = "def area(w, h):\n    return w * h\n"
 TEST = "from geo import area\n\n\ndef test_area_rectangle():\n    assert area(2, 3) == 6\n"
@@ -52,3 +53,43 @@ def test_needles_are_fix_text_absent_from_the_mutant_tree():
     needles = fix_needles(ORIGINAL, {"geo.py": mutant.encode()}, m)
     assert needles and all(n.encode() not in mutant.encode() for n in needles)
     assert any("return w * h" in n for n in needles)
+
+
+CLASSES = '''from geo import area
+
+
+class TestA:
+    def test_strict(self):
+        assert area(1, 1) == 1
+
+
+class TestB:
+    def test_strict(self):
+        assert area(2, 2) == 4
+
+
+class TestC(TestB):
+    pass
+
+
+def test_strict():
+    assert area(3, 3) == 9
+'''
+
+
+def test_class_qualified_ids_show_their_own_test(tmp_path):
+    (tmp_path / "test_cls.py").write_text(CLASSES)
+    body = lambda tid: body_of_test(str(tmp_path), tid)  # noqa: E731
+    assert body("test_cls.py::TestA::test_strict") == "assert area(1, 1) == 1"
+    assert body("test_cls.py::TestB::test_strict") == "assert area(2, 2) == 4"
+    assert body("test_cls.py::TestC::test_strict") == "assert area(2, 2) == 4"  # inherited from TestB
+    assert body("test_cls.py::test_strict[3]") == "assert area(3, 3) == 9"  # the module-level one
+    assert body("test_cls.py::TestMissing::test_strict") == ""  # never another class's test
+
+
+def test_near_identical_statements_are_caught_per_repository():
+    index = StatementIndex({"old": ("r", "Reproduction:\n\nassert f(1) == 2\nfails with: assert 3 == 2")})
+    assert index.near_duplicate("new", "r", "Reproduction:\n  assert f(1) == 2\nfails with:  assert 3 == 2") == "old"
+    assert index.near_duplicate("other", "r", "Reproduction: assert g('abc') == 'cba'; fails: 'x' != 'cba'") == ""
+    assert index.near_duplicate("third", "r2", "Reproduction:\n\nassert f(1) == 2\nfails with: assert 3 == 2") == ""
+    assert index.near_duplicate("old", "r", "Reproduction:\n\nassert f(1) == 2\nfails with: assert 3 == 2") == ""
