@@ -10,6 +10,7 @@ import pytest
 from rl.cluster import ClusterConfig, shutdown, start_or_join
 from rl.config import JobConfig, ModelChoice, OptimConfig, RolloutConfig, TrainerConfig
 from rl.rl_loop import AsyncDriver, Hooks
+from synth.taskset_sources import toy_set
 
 pytestmark = pytest.mark.ray
 
@@ -29,11 +30,11 @@ def test_rl_steps_train_on_episodes_played_through_the_server(tmp_path):
 
     optim = OptimConfig(lr=1e-3, sinkhorn_lr=1e-3, muon_lr=1e-2)
     job = JobConfig(
-        model=DEBUG,
+        model=DEBUG, tasks=str(toy_set(4, 2, heldout_share=0.0)),
         trainer=TrainerConfig(kind="rl", max_steps=2, micro_batch_tokens=256, global_batch_tokens=256,
                               checkpoint_every=10, optim=optim),
         rollout=RolloutConfig(agent="server", n_workers=1, group_size=3, groups_per_step=2, max_policy_lag=0,
-                              max_new_tokens=6, max_turns=2, temperature=1.0, n_tasks=4),
+                              max_new_tokens=6, max_turns=2, temperature=1.0),
     )  # fmt: skip
     seen = {}
 
