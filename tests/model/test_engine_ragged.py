@@ -100,7 +100,7 @@ def test_mixed_lengths_decode_in_one_forward_per_step(model, template, hasher, t
 def test_sessions_leave_and_keep_their_caches(model, template, hasher):
     prompts = [_prompt(n, 60 + n) for n in (5, 12, 19)]
     free = [_loop(model, hasher, p, 10)[0] for p in prompts]
-    stop = free[1][3]  # session 1 stops at its 4th token; the others stop there only if they draw it
+    stop = free[1][3]  # the second session stops at its 4th token; the others stop there only if they draw it
     engine = InferenceEngine(model, template, max_sessions=4)
     sids = [engine.start(p) for p in prompts]
     gens = engine.generate(sids, 10, stop_ids=(stop,))
