@@ -257,9 +257,11 @@ class RolloutWorker:
         raise ValueError(f"unknown rollout env {req.env!r}")
 
     def _sandbox_tools(self) -> tuple:
-        """(sandbox factory, grade) over this worker's pools, created on first use."""
+        """(sandbox factory, grade, episode config) over this worker's pools, created on first use; the
+        episode's turn limit is rollout.max_turns."""
         import functools
 
+        from envs.episode import EpisodeConfig
         from envs.grading import grade_patch
         from envs.pool import GraderPool, SandboxPool
 
@@ -271,7 +273,8 @@ class RolloutWorker:
         def factory(task):
             return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
 
-        return factory, functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
+        grade = functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
+        return factory, grade, EpisodeConfig(max_turns=self.rollout_cfg.max_turns, wall_time_s=300.0)
 
     def stats(self) -> dict[str, float]:
         return {

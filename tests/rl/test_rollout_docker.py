@@ -65,3 +65,13 @@ def test_crashed_sandbox_is_infra_failed_and_excluded_from_its_group(fixture_tas
     scored = score_groups([TrajectoryGroup(group_id="g", trajectories=trajs)], "grpo", 1e-6)
     assert len(scored.trajs) == 2 and not any(t.infra_failed for t in scored.trajs)
     assert scored.advantages == pytest.approx([1.0, -1.0], abs=1e-5)
+
+
+def test_worker_episodes_stop_at_rollout_max_turns():
+    """The rollout worker's sandbox episodes take their turn limit from rollout.max_turns (not a constant)."""
+    from rl.actors import RolloutWorker
+    from rl.config import RolloutConfig
+
+    worker = RolloutWorker(DEBUG, RolloutConfig(max_turns=3))
+    assert worker._sandbox_tools()[2].max_turns == 3
+    assert RolloutWorker(DEBUG, RolloutConfig(max_turns=7))._sandbox_tools()[2].max_turns == 7
