@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens of the baseline (default: --new-tokens)")
-    p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both"),
-                   help="CUDA: the engine with decode graphs, eager, or both (CPU: always eager)")  # fmt: skip
+    p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both", "none"),
+                   help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     new = a.new_tokens or new
     model = build_model(args, device)
     rate = copy_gb_per_s(device)
-    modes = {"on": (True,), "off": (False,), "both": (True, False)}[a.cuda_graphs]
+    modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
     modes = modes if device.type == "cuda" else (False,)
     for n in sessions:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
