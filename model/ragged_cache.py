@@ -237,10 +237,11 @@ _MAX_STORAGES = 8  # batch layouts a pool keeps storage and graphs for (the olde
 
 class GraphPool:
     """CUDA graphs of `RaggedBatch.decode` steps and the storage they run on, kept across batches
-    (an engine owns one). A batch's layout (rows, every cache tensor's shape and dtype, the model)
-    keys one storage; a later batch of the same layout is copied into it and replays its graphs.
-    All graphs share one memory pool: they never run concurrently, and a step's outputs are copied
-    out before the next replay. `captures` counts the graphs captured (each costs one eager step)."""
+    (an engine owns one). A batch's layout (rows, every cache tensor's shape and dtype, the model
+    and where its weights are) keys one storage; a later batch of the same layout is copied into it
+    and replays its graphs. All graphs share one memory pool: they never run concurrently, and a
+    step's outputs are copied out before the next replay. `captures` counts the graphs captured
+    (each costs one eager step)."""
 
     def __init__(self, buckets: tuple[int, ...] = GRAPH_BUCKETS):
         self.buckets = tuple(sorted(buckets))
@@ -257,7 +258,10 @@ class GraphPool:
         another batch, which then stays eager)."""
         fields = batch.fields()
         tensors = [getattr(o, name) for o, name in fields]
-        key = (id(batch.model), batch.max_tokens,
+        # the graphs read the weights where they were at capture: a model whose tensors moved (loaded
+        # with assign, moved between devices) keys new storage and graphs
+        weights = tuple(t.data_ptr() for t in batch.model.parameters())
+        key = (id(batch.model), weights, batch.max_tokens,
                tuple((name, type(o).__name__, getattr(o, "packed", None), t.dtype, tuple(t.shape))
                      for (o, name), t in zip(fields, tensors)))  # fmt: skip
         st = self._storages.get(key)
