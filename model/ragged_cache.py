@@ -232,7 +232,7 @@ class RaggedBatch:
 
 # live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-_MAX_STORAGES = 8  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)
+_MAX_STORAGES = 4  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)
 
 
 class GraphPool:
