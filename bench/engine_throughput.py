@@ -5,16 +5,20 @@
     python -m bench.engine_throughput --device cuda --flavor small --impl triton  # 1, 16, 64, 256 sessions
 
 One JSON line per (engine, sessions), one process. Every session has its own prompt, lengths drawn
-uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt ids; decode =
-`InferenceEngine.generate(..., no stop ids, T = 1)` after `engine.prefill`, sampling and bookkeeping
-included. Rows {engine: "flashpost", flavor, device, impl, sessions, prompt_lens (min, max, distinct),
-new_tokens, prefill_s, prefill_forwards, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model
-calls per decode step after the first token, which comes from the prefill logits), bytes_per_step
-(weights a decode step touches at this batch + every session's cache, packed format),
-copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step = bytes / copy rate}.
+uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt ids. After
+`engine.prefill`, a warm-up `generate` of WARMUP_TOKENS (on CUDA it captures the decode graphs of
+the batch's size), then the timed `generate(..., new_tokens, no stop ids, T = 1)`: its sessions
+lack only their newest token, so every one of its new_tokens tokens costs one decode step,
+sampling and bookkeeping included. Rows {engine: "flashpost", cuda_graphs, flavor, device, impl,
+sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwards, warmup_s,
+graph_captures, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model calls
+per decode step), bytes_per_step (weights a decode step touches at this batch + every session's
+cache, packed format), copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step =
+bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs).
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
 count: a dense Llama-style model of about the same active parameters (random weights, the same
-prompts left-padded, static cache, 128 new tokens forced with min_new_tokens).
+prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
+tokens forced with min_new_tokens, after a warm-up generate of the same length).
 Not here: speculative decoding (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
 """
 
@@ -39,6 +43,7 @@ from model.tokenizer import Tokenizer  # noqa: E402
 # (min prompt, max prompt, new tokens) per flavor; --quick shrinks them
 DEFAULTS = {"debug": (8, 48, 16), "tiny": (32, 256, 32), "small": (256, 2047, 128)}
 QUICK = {"sessions": (1, 4), "lens": (5, 20), "new_tokens": 6}
+WARMUP_TOKENS = 3
 OVERRIDES = {f: default_tokenizer_fit() for f in ("debug", "small")}
 
 
@@ -78,10 +83,10 @@ def decode_bytes(args: ModelArgs, model, engine: InferenceEngine, sids: list[int
     return int(weights + cache)
 
 
-def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate) -> dict:
+def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool) -> dict:
     n = len(prompts)
-    engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device,
-                             max_seq_len=max(map(len, prompts)) + new_tokens + 8)  # fmt: skip
+    engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
+                             max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 8)  # fmt: skip
     warm = engine.start(prompts[0])  # first-call allocations, rope tables
     engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
     engine.close(warm)
@@ -92,21 +97,24 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate) -> d
     engine.prefill(sids)
     _sync(device)
     t1 = time.perf_counter()
+    prefill_forwards = engine.stats["forward_calls"] - calls_p
+    engine.generate(sids, WARMUP_TOKENS, temperature=1.0, stop_ids=(), seed=0)  # captures this batch's graphs
+    _sync(device)
+    t2 = time.perf_counter()
     calls0 = engine.stats["forward_calls"]
     outs = engine.generate(sids, new_tokens, temperature=1.0, stop_ids=(), seed=1)
     _sync(device)
-    t2 = time.perf_counter()
-    steps = new_tokens - 1
+    t3 = time.perf_counter()
     nbytes = decode_bytes(args, model, engine, sids)
-    ms = (t2 - t1) / steps * 1e3 if steps else 0.0
     lens = [len(p) for p in prompts]
     return {
-        "engine": "flashpost", "flavor": flavor, "device": _device_name(device), "impl": args.impl,
-        "sessions": n, "prompt_lens": [min(lens), max(lens), len(set(lens))], "new_tokens": new_tokens,
-        "prefill_s": round(t1 - t0, 4), "prefill_forwards": calls0 - calls_p, "decode_s": round(t2 - t1, 4),
-        "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t2 - t1), 1),
-        "ms_per_step": round(ms, 3),
-        "forwards_per_decode_step": round((engine.stats["forward_calls"] - calls0) / max(steps, 1), 3),
+        "engine": "flashpost", "cuda_graphs": graphs, "flavor": flavor, "device": _device_name(device),
+        "impl": args.impl, "sessions": n, "prompt_lens": [min(lens), max(lens), len(set(lens))],
+        "new_tokens": new_tokens, "prefill_s": round(t1 - t0, 4), "prefill_forwards": prefill_forwards,
+        "warmup_s": round(t2 - t1, 4), "graph_captures": engine.graphs.captures if engine.graphs else 0,
+        "decode_s": round(t3 - t2, 4), "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t3 - t2), 1),
+        "ms_per_step": round((t3 - t2) / new_tokens * 1e3, 3),
+        "forwards_per_decode_step": round((engine.stats["forward_calls"] - calls0) / new_tokens, 3),
         "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
         "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4),
     }  # fmt: skip
@@ -134,6 +142,7 @@ def run_hf(args, device, prompts, new_tokens) -> dict | None:
           "cache_implementation": "static"}  # fmt: skip
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm-up: compiles the static-cache step
+        model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
         times = []
         for n in (1, new_tokens):  # prefill alone, then the whole generate: decode = the difference
             _sync(device)
@@ -162,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="1 and 4 sessions, short prompts: a test's check")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens of the baseline (default: --new-tokens)")
+    p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both", "none"),
+                   help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -174,11 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     new = a.new_tokens or new
     model = build_model(args, device)
     rate = copy_gb_per_s(device)
+    modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
+    modes = modes if device.type == "cuda" else (False,)
     for n in sessions:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
-        print(json.dumps(run_engine(args, a.flavor, device, model, prompts, new, rate)), flush=True)
+        for graphs in modes:
+            print(json.dumps(run_engine(args, a.flavor, device, model, prompts, new, rate, graphs)), flush=True)
         if not (a.quick or a.no_hf):
-            row = run_hf(args, device, prompts, new)
+            row = run_hf(args, device, prompts, a.hf_new_tokens or new)
             if row is not None:
                 print(json.dumps(row), flush=True)
 

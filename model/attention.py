@@ -549,6 +549,23 @@ def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> tor
     return kl_BS[row_ok].mean()
 
 
+def _with_compressed(
+    kv_BTD: torch.Tensor, ckv_BGD: torch.Tensor, cidx_BSK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KV tensor for the fused kernel: the window rows, then the compressed entries, and the
+    compressed part of the index list (-1 kept). Calls that select fewer entries than the bank
+    holds (decode: S·K of G) append only the selected ones, query s's K picks at T + s·K.., in
+    their order (the kernel then sums the same rows in the same order); others append the bank."""
+    B, S, K = cidx_BSK.shape
+    T = kv_BTD.size(1)
+    if S * K >= ckv_BGD.size(1):
+        return torch.cat([kv_BTD, ckv_BGD], dim=1), torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)
+    flat = cidx_BSK.clamp(min=0).reshape(B, S * K, 1).expand(B, S * K, ckv_BGD.size(-1))
+    kv_all = torch.cat([kv_BTD, ckv_BGD.gather(1, flat)], dim=1)
+    at = T + torch.arange(S * K, device=cidx_BSK.device).view(1, S, K)
+    return kv_all, torch.where(cidx_BSK >= 0, at, -1)
+
+
 # ---------------------------------------------------------------------------- the module
 class Attention(nn.Module):
     """One layer's attention (§3.4). Every layer computes its own q, window KV, attention and output
@@ -615,14 +632,14 @@ class Attention(nn.Module):
             )  # fmt: skip
         else:  # the fused kernel takes one KV tensor and one index list (§3.4 step 4)
             kv_all, idxs_BSK = kv_BTD, lay.win_idxs
-            if ckv_BGD is not None:
-                T = kv_BTD.size(1)
-                idxs_BSK = torch.cat([idxs_BSK, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
+            T = kv_BTD.size(1)
             if packed:  # rows past the window come from the packed bank (kernels/sparse_attn.py `ckv=`)
+                idxs_BSK = torch.cat([idxs_BSK, torch.where(cidx_BSK >= 0, cidx_BSK + T, -1)], dim=-1)
                 o_BSHD = self.sparse_attn(q_BSHD, kv_BTD, self.attn_sink, idxs_BSK, self.softmax_scale, ckv=ckv_BGD)
             else:
                 if ckv_BGD is not None:
-                    kv_all = torch.cat([kv_BTD, ckv_BGD], dim=1)
+                    kv_all, cidx_all = _with_compressed(kv_BTD, ckv_BGD, cidx_BSK)
+                    idxs_BSK = torch.cat([idxs_BSK, cidx_all], dim=-1)
                 o_BSHD = self.sparse_attn(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
             if ctx.indexer_loss and index_out is not None:
                 with torch.no_grad():

@@ -10,11 +10,13 @@ Batching policy: one forward for all sessions, each at its own position. Prompts
 the start of a generate call feeds) are fed in ragged steps of up to `prefill_chunk` tokens per row
 over every session with tokens to feed (shorter rows padded, model/ragged_cache.py); the sessions a
 `generate` call decodes are then the rows of one `RaggedBatch` from their first decode step to their
-last, each step feeding every row's newest token in ONE forward, and a session that stops leaves
-the batch between steps with its cache. CED prefill (model/ced.py) runs per group of sessions at the
-same position with the same count (caches stacked and split back), as does speculative
-verification. Results do not depend on the batching beyond fp32 rounding (each session samples
-from its own generator).
+last, each step feeding every row's newest token in ONE forward (`RaggedBatch.decode`: fixed shapes,
+replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, one device-to-host copy of the sampled
+tokens per step), and a session that stops leaves the batch between steps with its cache. A
+generate call whose sessions lack only their newest token starts with such a decode step. CED
+prefill (model/ced.py) runs per group of sessions at the same position with the same count
+(caches stacked and split back), as does speculative verification. Results do not depend on the
+batching beyond fp32 rounding (each session samples from its own generator).
 
 Feeding is lazy: `start`/`extend` only record tokens; the next `prefill`/`generate` feeds them (in
 chunks of `prefill_chunk`). The last generated token is fed when the session next advances.
@@ -44,7 +46,7 @@ from model.dspark import DSparkCache
 from model.engram import EngramHasher
 from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
-from model.ragged_cache import RaggedBatch
+from model.ragged_cache import GraphPool, RaggedBatch
 from model.sampling import sample
 from model.speculative import (
     CostModel,
@@ -60,6 +62,9 @@ from model.transformer import ModelCache, Transformer, make_engram_inputs
 FinishReason = Literal["stop", "length"]
 # padded tokens per prefill forward at most (rows x chunk): bounds a ragged prefill's activations
 _PREFILL_TOKENS = 32768
+# CUDA-graph decode batches size their banks in multiples of this many tokens, so that generate calls
+# of nearby lengths share one storage and its graphs (model/ragged_cache.py GraphPool)
+_GRAPH_TOKENS = 1024
 
 
 @dataclass
@@ -117,8 +122,19 @@ class InferenceEngine:
         prefix_cache: PrefixCache | None = None,
         speculative: SpeculativeConfig | None = None,
         packed_cache: bool = False,
+        cuda_graphs: bool | None = None,
     ):
         self.device = torch.device(device)
+        # decode steps replay CUDA graphs (model/ragged_cache.py GraphPool): on by default on CUDA with
+        # impl=triton, where an eager step of `small` is ~100 ms of kernel launches; the eager path is
+        # the same forward (CPU, impl=torch, or cuda_graphs=False)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and model.args.impl == "triton"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}: pass cuda_graphs=False")
+        if cuda_graphs and model.args.impl != "triton":
+            raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
+        self.graphs = GraphPool() if cuda_graphs else None
         # packed_cache: sessions' LayerCaches store the window rings as FP8 and the global banks as
         # FP4/MXFP4 bytes (model/packed_cache.py), unpacked to dense on every read. Off by default:
         # without a kernel reading the bytes, each step unpacks the whole bank in torch (memory for
@@ -389,15 +405,23 @@ class InferenceEngine:
         gens = self._generators(seed, len(sessions))
         outs = [Generation([], [], "length", "", [], len(s.token_ids)) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
-        self._feed([sessions[i] for i in active])
+        # sessions that lack only their newest token (a continued generation) are fed by a decode step
+        by_decode = self.prefill_mode == "full" and bool(active) and all(sessions[i].n_unfed == 1 for i in active)
+        if not by_decode:
+            self._feed([sessions[i] for i in active])
         # decode: the sessions that go on are the rows of one RaggedBatch (one forward per step);
         # rows[k] is the call index of batch row k, in the order of `active`
-        batch, rows = None, []
+        batch, rows, logits_BV = None, [], None
         max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
+        if self.graphs is not None:  # banks sized in steps of _GRAPH_TOKENS: later calls reuse the graphs
+            max_tokens = min(self.max_seq_len, -(-max_tokens // _GRAPH_TOKENS) * _GRAPH_TOKENS)
         try:
+            if by_decode:
+                batch, rows = self._decode_batch(sessions, active, max_tokens), active
+                logits_BV = self._decode_step(batch, [sessions[i] for i in rows])
             while active:
                 active = self._sample_step(sessions, outs, active, gens, temperature, top_p, stops, stop_strings,
-                                           stop_when, max_new_tokens)  # fmt: skip
+                                           stop_when, max_new_tokens, logits_BV)  # fmt: skip
                 if batch is not None and len(active) < len(rows):
                     going_on = set(active)
                     gone = [k for k, i in enumerate(rows) if i not in going_on]
@@ -406,8 +430,8 @@ class InferenceEngine:
                     rows = [i for i in rows if i in going_on]
                 if active:
                     if batch is None:
-                        batch, rows = RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens), active
-                    self._decode_step(batch, [sessions[i] for i in rows])
+                        batch, rows = self._decode_batch(sessions, active, max_tokens), active
+                    logits_BV = self._decode_step(batch, [sessions[i] for i in rows])
         finally:
             if batch is not None and rows:
                 for i, cache in zip(rows, batch.split()):
@@ -418,14 +442,18 @@ class InferenceEngine:
         return outs
 
     def _sample_step(self, sessions, outs, active, gens, temperature, top_p, stops, stop_strings, stop_when,
-                     max_new_tokens) -> list[int]:  # fmt: skip
-        """Sample the next token of every active session from its next-token logits and record it;
-        returns the indices that go on (no stop, no length limit)."""
-        logits_BV = torch.stack([sessions[i].next_logits for i in active])
+                     max_new_tokens, logits_BV=None) -> list[int]:  # fmt: skip
+        """Sample the next token of every active session from its next-token logits (`logits_BV`,
+        the rows of `active` in order, when the caller has them batched) and record it; returns the
+        indices that go on (no stop, no length limit)."""
+        if logits_BV is None:
+            logits_BV = torch.stack([sessions[i].next_logits for i in active])
         token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
         self.stats["tokens_generated"] += len(active)
         still = []
-        for i, tok, lp in zip(active, token_B.tolist(), logprob_B.tolist()):
+        # one device-to-host copy per step (token ids are exact in fp64)
+        drawn = torch.stack([token_B.double(), logprob_B.double()]).cpu()
+        for i, tok, lp in zip(active, drawn[0].long().tolist(), drawn[1].tolist()):
             s, out = sessions[i], outs[i]
             s.token_ids.append(tok)
             s.versions.append(s.next_version)
@@ -444,19 +472,25 @@ class InferenceEngine:
                 still.append(i)
         return still
 
-    def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> None:
-        """Feed every row's one unfed token (its newest generated one) in one ragged forward."""
-        ids = [[s.token_ids[-1]] for s in group]
+    def _decode_batch(self, sessions: list[_Session], active: list[int], max_tokens: int) -> RaggedBatch:
+        return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs)
+
+    def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> torch.Tensor:
+        """Feed every row's one unfed token (its newest generated one) in one ragged forward; returns
+        the rows' next-token logits [B,V] (the next `_sample_step` takes them as they are)."""
+        ids = [s.token_ids[-1] for s in group]
         keep_hidden = self.speculative is not None
-        out = batch.step(ids, self._engram_rows(group, batch.pos, ids), return_main_hidden=keep_hidden)
+        engram = self._engram_rows(group, batch.pos, [[t] for t in ids])
+        out = batch.decode(ids, engram, return_main_hidden=keep_hidden)
         logits_BV, main_hidden = out if keep_hidden else (out, None)
         self.stats["forward_calls"] += 1
         self.stats["decode_steps"] += 1
         self.stats["tokens_fed"] += len(group)
         for b, s in enumerate(group):
-            s.next_logits, s.next_version = logits_BV[b], self.policy_version
+            s.next_version = self.policy_version
             if main_hidden is not None:
                 self._stash_hidden(s, main_hidden[b : b + 1])
+        return logits_BV
 
     def _generators(self, seed: int | Sequence[int] | None, n: int) -> list[torch.Generator]:
         if seed is None:

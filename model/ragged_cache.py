@@ -16,6 +16,12 @@ lengths; rows with fewer tokens than the longest are padded. Storage, per layer:
 Packed caches (uint8 entries) are stored the same way, their padding zero bytes (finite values).
 Rows leave between steps (`take`: their caches go back to their sessions exactly as a per-session
 feed would have left them) and the rest are compacted; `split` returns all of them.
+Decode steps (`decode`: one token per row) see every bank slot (`max_tokens // r` groups, masked
+where not complete), so their shapes stay fixed from step to step; with a `GraphPool` (CUDA) they
+replay CUDA graphs: the batch's tensors then live in the pool's storage of `capacity` rows (the
+smallest bucket >= the rows; the rest padding rows at position 0), each step's cache updates are
+copied back into that storage inside the graph, one graph per bucket of live rows, reused by later
+batches of the same shapes.
 Not here: CED prefill (model/ced.py runs per group), rollback (`truncate` works on per-session
 caches only, so speculative verification runs on those).
 """
@@ -39,11 +45,25 @@ class RaggedBatch:
     """`caches` (one ModelCache per row, fed up to their seq_len; empty ones too) as one batch;
     `max_tokens`: the most tokens any row will hold (sizes the banks); `slack`: the most padding a
     row gets in one step (the longest step minus the row's tokens: 0 for decode steps, where every
-    row feeds one token; a prefill chunk where a row may be fed nothing)."""
+    row feeds one token; a prefill chunk where a row may be fed nothing). `pool` (CUDA, decode
+    batches): the batch's tensors live in the pool's storage and `decode` replays its graphs."""
 
-    def __init__(self, model: Transformer, caches: list[ModelCache], max_tokens: int, slack: int = 0):
+    def __init__(
+        self,
+        model: Transformer,
+        caches: list[ModelCache],
+        max_tokens: int,
+        slack: int = 0,
+        pool: GraphPool | None = None,
+    ):
         a, c0 = model.args, caches[0]
         self.model = model
+        self.max_tokens = max_tokens
+        n_live = len(caches)
+        if pool is not None:  # padding rows up to the capacity: empty caches, position 0
+            pad = pool.capacity(n_live) - n_live
+            caches = [*caches, *(ModelCache(max_rollback=c0.max_rollback, encoder_out_len=c0.encoder_out_len)
+                                 for _ in range(pad))]  # fmt: skip
         self.pos = [c.seq_len for c in caches]
         self.rb = rb = c0.max_rollback
         self.slack = slack
@@ -77,18 +97,17 @@ class RaggedBatch:
                     rows = [getattr(x, name) for x in src]
                     setattr(lc, name, _bank([empty[name] if x is None else x for x in rows], self.slots[r]))
             self.cache.layers.append(lc)
+        self.pos, self.dspark = self.pos[:n_live], self.dspark[:n_live]
+        self.rings = {k: (keep, lens[:n_live]) for k, (keep, lens) in self.rings.items()}
+        self._graphs = None if pool is None else pool.attach(self)
 
     def _ring(self, owner: int, name: str, rows: list, keep: int, empty: torch.Tensor | None) -> torch.Tensor:
         like = next((x for x in rows if x is not None), empty)
         out = like.new_zeros(len(rows), keep + self.slack, *like.shape[2:])
-        lens = []
-        for b, x in enumerate(rows):
-            n = 0 if x is None else x.size(1)
-            if n > keep:
-                raise ValueError(f"{name} holds {n} entries, more than the {keep} a step keeps")
-            if n:
-                out[b, out.size(1) - n :] = x[0]
-            lens.append(n)
+        lens = [0 if x is None else x.size(1) for x in rows]
+        if max(lens) > keep:
+            raise ValueError(f"{name} holds {max(lens)} entries, more than the {keep} a step keeps")
+        _fill(out, rows, lens, right=True)
         self.rings[(owner, name)] = (keep, lens)
         return out
 
@@ -101,6 +120,8 @@ class RaggedBatch:
         """Feed row b its tokens ids[b] (none allowed; at most `slack` fewer than the longest row's);
         returns forward_ragged's logits [B,V] after each row's last fed token (undefined for a row fed
         none), and the DSpark context [B,S,X] with `return_main_hidden` (row b's first len(ids[b]))."""
+        if self._graphs is not None:
+            raise ValueError("a batch on CUDA-graph storage feeds decode steps only: prefill without a pool")
         dev = self.model.embed.weight.device
         n = [len(x) for x in ids]
         S = max(n)
@@ -127,42 +148,78 @@ class RaggedBatch:
             self.rings[key] = (keep, [min(m + k, keep) for m, k in zip(lens, n)])
         return out
 
-    def _row(self, b: int) -> ModelCache:
-        """Row b as the per-session ModelCache a per-session decode would have left."""
-        a = self.model.args
-        fields = {f.name: getattr(self.cache, f.name) for f in dataclasses.fields(ModelCache)}
-        mc = ModelCache(**{**fields, "layers": [], "seq_len": self.pos[b], "dspark": self.dspark[b],
-                           "max_rollback": self.rb})  # fmt: skip
-        for name in _MODEL_RINGS:
-            if getattr(self.cache, name) is not None:
-                setattr(mc, name, self._unring(-1, name, getattr(self.cache, name), b))
-        for i, lc in enumerate(self.cache.layers):
-            row = LayerCache(**{**{f.name: getattr(lc, f.name) for f in dataclasses.fields(LayerCache)},
-                                "max_rollback": self.rb})  # fmt: skip
-            for name in _LAYER_RINGS:
-                if getattr(lc, name) is not None:
-                    setattr(row, name, self._unring(i, name, getattr(lc, name), b))
-            if lc.compress_kv is not None:
-                g = self.pos[b] // a.compress_ratio(i)
-                row.compress_kv, row.index_k = lc.compress_kv[b : b + 1, :g].clone(), lc.index_k[b : b + 1, :g].clone()
-            mc.layers.append(row)
-        return mc
+    @torch.inference_mode()
+    def decode(self, ids: list[int], engram_inputs: dict | None = None, return_main_hidden: bool = False):
+        """Feed row b its one token ids[b]: `step` with every bank slot visible (fixed shapes), on
+        the pool's CUDA graphs when the batch has one. Returns the logits [B,V] (and the DSpark
+        context [B,1,X] with `return_main_hidden`), owned by the caller."""
+        if len(ids) != self.size:
+            raise ValueError(f"{len(ids)} tokens for {self.size} rows")
+        if any((p + 1) // r > s - 1 for p in self.pos for r, s in self.slots.items()):
+            raise ValueError("a row outgrew the batch's banks: size max_tokens for the longest row")
+        if self._graphs is not None:
+            out = self._graphs.decode(ids, engram_inputs, return_main_hidden)
+        else:
+            dev = self.model.embed.weight.device
+            out = self.model.forward_ragged(
+                torch.tensor(ids, device=dev)[:, None], torch.tensor(self.pos, device=dev),
+                torch.ones(len(ids), dtype=torch.long, device=dev), self.cache, max_end=self.max_tokens,
+                bank_slots=self.bank_slots, engram_inputs=engram_inputs, return_main_hidden=return_main_hidden,
+            )  # fmt: skip
+        self.pos = [p + 1 for p in self.pos]
+        for key, (keep, lens) in self.rings.items():
+            self.rings[key] = (keep, [min(m + 1, keep) for m in lens])
+        return out
 
-    def _unring(self, owner: int, name: str, x: torch.Tensor, b: int) -> torch.Tensor | None:
-        keep, lens = self.rings[(owner, name)]
-        return x[b : b + 1, x.size(1) - lens[b] :].clone() if lens[b] else None
+    @property
+    def bank_slots(self) -> dict[int, int]:
+        """The trash slot per ratio (the last one)."""
+        return {r: s - 1 for r, s in self.slots.items()}
+
+    def fields(self) -> list[tuple[object, str]]:
+        """(owner, name) of every cache tensor of the batch (rings and banks), in a fixed order."""
+        return [(owner, name) for owner in [self.cache, *self.cache.layers] for name in _MODEL_RINGS + _LAYER_RINGS
+                + _LAYER_BANKS if isinstance(getattr(owner, name, None), torch.Tensor)]  # fmt: skip
+
+    def _rows(self, rows: list[int]) -> list[ModelCache]:
+        """Rows as the per-session ModelCaches a per-session decode would have left. Each field of
+        the rows is copied out of the batch once (one gather for all of them); a row's tensors are
+        views of that copy, so the batch's own storage is never shared."""
+        a = self.model.args
+        idx = torch.tensor(rows, dtype=torch.long, device=self.model.embed.weight.device)
+        mfields = {f.name: getattr(self.cache, f.name) for f in dataclasses.fields(ModelCache)}
+        lfields = [{f.name: getattr(lc, f.name) for f in dataclasses.fields(LayerCache)} for lc in self.cache.layers]
+        out = [ModelCache(**{**mfields, "layers": [], "seq_len": self.pos[b], "dspark": self.dspark[b],
+                             "max_rollback": self.rb}) for b in rows]  # fmt: skip
+        for mc in out:
+            mc.layers = [LayerCache(**{**f, "max_rollback": self.rb}) for f in lfields]
+        layer_of = {id(lc): i for i, lc in enumerate(self.cache.layers)}
+        for owner, name in self.fields():
+            x = getattr(owner, name).index_select(0, idx)
+            i = layer_of.get(id(owner), -1)
+            for k, (b, mc) in enumerate(zip(rows, out)):
+                target = mc if i < 0 else mc.layers[i]
+                if name in _LAYER_BANKS:
+                    view = x[k : k + 1, : self.pos[b] // a.compress_ratio(i)]
+                else:
+                    n = self.rings[(i, name)][1][b]
+                    view = x[k : k + 1, x.size(1) - n :] if n else None
+                setattr(target, name, view)
+        return out
 
     def take(self, rows: list[int]) -> list[ModelCache]:
         """Remove rows (indices into the current batch): their caches, in order; the rest stay, compacted."""
-        out = [self._row(b) for b in rows]
+        out = self._rows(rows) if rows else []
         gone = set(rows)
         kept = [b for b in range(self.size) if b not in gone]
         idx = torch.tensor(kept, dtype=torch.long, device=self.model.embed.weight.device)
-        for owner in [self.cache, *self.cache.layers]:
-            for name in _MODEL_RINGS + _LAYER_RINGS + _LAYER_BANKS:
-                x = getattr(owner, name, None)
-                if isinstance(x, torch.Tensor):
-                    setattr(owner, name, x.index_select(0, idx))
+        if self._graphs is not None:  # compacted in place: the graphs' storage keeps its addresses
+            self._graphs.compact(idx)
+            if not kept:
+                self._graphs.release()
+        else:
+            for owner, name in self.fields():
+                setattr(owner, name, getattr(owner, name).index_select(0, idx))
         self.rings = {k: (keep, [lens[b] for b in kept]) for k, (keep, lens) in self.rings.items()}
         self.pos = [self.pos[b] for b in kept]
         self.dspark = [self.dspark[b] for b in kept]
@@ -171,6 +228,137 @@ class RaggedBatch:
     def split(self) -> list[ModelCache]:
         """Every row's cache, in order (the batch is empty afterwards)."""
         return self.take(list(range(self.size)))
+
+
+# live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_MAX_STORAGES = 4  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)
+
+
+class GraphPool:
+    """CUDA graphs of `RaggedBatch.decode` steps and the storage they run on, kept across batches
+    (an engine owns one). A batch's layout (rows, every cache tensor's shape and dtype, the model
+    and where its weights are) keys one storage; a later batch of the same layout is copied into it
+    and replays its graphs. All graphs share one memory pool: they never run concurrently, and a
+    step's outputs are copied out before the next replay. `captures` counts the graphs captured
+    (each costs one eager step)."""
+
+    def __init__(self, buckets: tuple[int, ...] = GRAPH_BUCKETS):
+        self.buckets = tuple(sorted(buckets))
+        self.captures = 0
+        self._storages: dict[tuple, _Storage] = {}
+        self._mempool = None
+
+    def capacity(self, n: int) -> int:
+        """Rows a batch of n live rows is padded to."""
+        return next((b for b in self.buckets if b >= n), n)
+
+    def attach(self, batch: RaggedBatch) -> _BatchGraphs | None:
+        """Move the batch's tensors into the storage of its layout (None: that storage is in use by
+        another batch, which then stays eager)."""
+        fields = batch.fields()
+        tensors = [getattr(o, name) for o, name in fields]
+        # the graphs read the weights where they were at capture: a model whose tensors moved (loaded
+        # with assign, moved between devices) keys new storage and graphs
+        weights = tuple(t.data_ptr() for t in batch.model.parameters())
+        key = (id(batch.model), weights, batch.max_tokens,
+               tuple((name, type(o).__name__, getattr(o, "packed", None), t.dtype, tuple(t.shape))
+                     for (o, name), t in zip(fields, tensors)))  # fmt: skip
+        st = self._storages.get(key)
+        if st is None:
+            idle = [k for k, v in self._storages.items() if not v.busy]
+            if len(self._storages) >= _MAX_STORAGES and idle:
+                del self._storages[idle[0]]
+            st = self._storages[key] = _Storage(tensors)
+        elif st.busy:
+            return None
+        else:
+            for (o, name), dst, src in zip(fields, st.tensors, tensors):
+                dst.copy_(src)
+                setattr(o, name, dst)
+        st.busy = True
+        return _BatchGraphs(self, st, batch, fields)
+
+
+class _Storage:
+    """One layout's tensors (capacity rows), the decode inputs and the graphs captured on them."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        dev, cap = tensors[0].device, tensors[0].size(0)
+        self.tensors = tensors
+        self.ids = torch.zeros(cap, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.ones = torch.ones(cap, dtype=torch.long, device=dev)
+        self.hashes: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.busy = False
+
+
+class _BatchGraphs:
+    """A batch's view of its storage: decode steps run on the first bucket(rows) rows of it (the
+    rows past the live ones are padding at position 0: their cache entries are never read back)."""
+
+    def __init__(self, pool: GraphPool, st: _Storage, batch: RaggedBatch, fields: list[tuple[object, str]]):
+        self.pool, self.st, self.batch, self.fields = pool, st, batch, fields
+        self.views: list[torch.Tensor] = []
+
+    def decode(self, ids: list[int], engram_inputs: dict | None, hidden: bool):
+        st, n = self.st, len(ids)
+        b = self.pool.capacity(n)
+        pad = [0] * (b - n)
+        st.ids[:b, 0].copy_(torch.tensor(ids + pad), non_blocking=True)
+        st.pos[:b].copy_(torch.tensor(self.batch.pos + pad), non_blocking=True)
+        if engram_inputs is not None:
+            h = engram_inputs["hashes"]
+            if st.hashes is None:
+                st.hashes = h.new_zeros(st.ids.size(0), *h.shape[1:])
+            st.hashes[:n].copy_(h)
+        self.views = [t[:b] for t in st.tensors]
+        for (o, name), v in zip(self.fields, self.views):
+            setattr(o, name, v)
+        key = (b, hidden)
+        if key in st.graphs:
+            graph, out = st.graphs[key]
+            graph.replay()
+        else:  # this step runs eagerly on a side stream (it compiles and warms up), then is captured
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self._forward(b, hidden)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool._mempool is None:
+                self.pool._mempool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool._mempool):
+                st.graphs[key] = (graph, self._forward(b, hidden))
+            self.pool.captures += 1
+        if hidden:
+            return out[0][:n].clone(), None if out[1] is None else out[1][:n].clone()
+        return out[:n].clone()
+
+    def _forward(self, b: int, hidden: bool):
+        """forward_ragged over the storage's first b rows, the updated rings copied back into it."""
+        st, batch = self.st, self.batch
+        eng = None if st.hashes is None else {"hashes": st.hashes[:b], "engram_mask": None}
+        out = batch.model.forward_ragged(
+            st.ids[:b], st.pos[:b], st.ones[:b], batch.cache, max_end=batch.max_tokens, bank_slots=batch.bank_slots,
+            engram_inputs=eng, return_main_hidden=hidden,
+        )  # fmt: skip
+        for (o, name), v in zip(self.fields, self.views):
+            new = getattr(o, name)
+            if new is not v:
+                v.copy_(new)
+                setattr(o, name, v)
+        return out
+
+    def compact(self, idx: torch.Tensor) -> None:
+        """Keep rows idx (in order) as the first rows of the storage, in place."""
+        for (o, name), t in zip(self.fields, self.st.tensors):
+            t[: idx.numel()] = t.index_select(0, idx)
+            setattr(o, name, t)
+
+    def release(self) -> None:
+        self.st.busy = False
 
 
 def _shift_right(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -203,11 +391,24 @@ def _bank(rows: list[torch.Tensor], slots: int) -> torch.Tensor:
     """Banks [1,G_b,E] stacked into [B, slots, E] at slot = group number, zeros elsewhere."""
     like = rows[0]
     out = like.new_zeros(len(rows), slots, like.size(-1))
-    for b, x in enumerate(rows):
-        if x.size(1) > slots - 1:
-            raise ValueError(f"a bank of {x.size(1)} groups does not fit {slots - 1} slots: raise max_tokens")
-        out[b, : x.size(1)] = x[0]
+    lens = [x.size(1) for x in rows]
+    if max(lens) > slots - 1:
+        raise ValueError(f"a bank of {max(lens)} groups does not fit {slots - 1} slots: raise max_tokens")
+    _fill(out, rows, lens, right=False)
     return out
 
 
-__all__ = ["RaggedBatch"]
+def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool) -> None:
+    """out[b] takes row b's entries rows[b][0] ([1,n_b,...] or None), right-aligned (rings) or from
+    entry 0 (banks), in one copy for all rows (a batch of 256 sessions has ~100 such fields)."""
+    if not any(lens):
+        return
+    flat = torch.cat([x[0] for x, n in zip(rows, lens) if n])
+    lens_t = torch.tensor(lens)
+    row_N = torch.repeat_interleave(torch.arange(len(rows)), lens_t)
+    j_N = torch.arange(flat.size(0)) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+    col_N = out.size(1) - lens_t[row_N] + j_N if right else j_N
+    out[row_N.to(out.device), col_N.to(out.device)] = flat
+
+
+__all__ = ["GRAPH_BUCKETS", "GraphPool", "RaggedBatch"]

@@ -501,8 +501,10 @@ class Transformer(nn.Module):
         """Logits [B,V] fp32 after each row's last real token: input_ids [B,S] holds row b's next
         n_real[b] tokens (then padding) at positions pos[b].., over model/ragged_cache.py's batched
         cache (rings right-aligned, banks preallocated, `bank_slots[r]` the trash slot per ratio);
-        max_end = max(pos + n_real), known to the caller (no host sync). The cache is extended in
-        place, padding included (the caller realigns the rings); seq_len is not used (rows differ).
+        max_end >= max(pos + n_real), known to the caller (no host sync): the first max_end // r bank
+        slots are visible where complete (decode steps pass the banks' size: shapes that do not move).
+        The cache is extended in place, padding included (the caller realigns the rings); seq_len is
+        not used (rows differ).
         engram_inputs as forward_incremental's, required with Engram layers (rows' contexts differ,
         so the caller hashes). With `return_main_hidden`: (logits, DSpark context [B,S,X])."""
         a = self.args

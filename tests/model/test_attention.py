@@ -240,3 +240,23 @@ def test_full_layers_follow_the_reference_prefill_semantics():
                 got = model.layers[layer_id].attn(x, ctx)
                 want = _spec_full_layer(model.layers[layer_id].attn, x, a, layer_id)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"layer {layer_id} S {S}")
+
+
+@pytest.mark.parametrize("S", [1, 3, 40])  # S·K below and above the bank's 64 groups
+def test_selected_compressed_rows_attend_as_the_whole_bank(S):
+    """The fused kernel's KV tensor with only the selected compressed rows appended (decode) gives
+    the attention of the whole bank appended, bit for bit (same rows, same order per query)."""
+    from model.attention import _with_compressed
+
+    g = torch.Generator().manual_seed(0)
+    B, T, G, H, Dh, K = 2, 9, 64, 4, 16, 5
+    q, kv = torch.randn(B, S, H, Dh, generator=g), torch.randn(B, T, Dh, generator=g)
+    ckv, sink = torch.randn(B, G, Dh, generator=g), torch.randn(H, generator=g)
+    win = torch.randint(-1, T, (B, S, 7), generator=g)
+    cidx = torch.randint(-1, G, (B, S, K), generator=g)
+    kv_all, cidx_all = _with_compressed(kv, ckv, cidx)
+    got = sparse_attn_ref(q, kv_all, sink, torch.cat([win, cidx_all], -1), 0.25)
+    full = torch.cat([win, torch.where(cidx >= 0, cidx + T, -1)], -1)
+    want = sparse_attn_ref(q, torch.cat([kv, ckv], 1), sink, full, 0.25)
+    assert torch.equal(got, want)
+    assert kv_all.size(1) == (T + S * K if S * K < G else T + G)
