@@ -579,17 +579,19 @@ class Transformer(nn.Module):
         *,
         doc_ids: torch.Tensor | None = None,
         markov: Markov = "teacher",
+        with_logits: bool = True,
     ) -> DraftOutput:
         """DSpark drafts for every anchor position of a teacher-forced row (model.dspark.DraftOutput:
         logits [B,S,k,V], row i of anchor s predicts token s+1+i). main_hidden: TransformerOutput's.
         The context, the embedding and the head enter DETACHED, so a DSpark loss trains mtp.* only.
-        k defaults to dspark_block_size."""
+        k defaults to dspark_block_size. with_logits=False: no logits, for dspark_loss_chunked."""
         mtp = self._drafter()
         K = mtp.block_size
         table = self._table(False, input_ids.size(1) + K, input_ids.device)
         return mtp.draft_teacher_forced(
             main_hidden.detach(), input_ids, k or K, embed_weight=self.embed.weight.detach(),
             head_weight=self.head.weight.detach(), rope_table=table, doc_ids=doc_ids, markov=markov,
+            with_logits=with_logits,
         )  # fmt: skip
 
     @torch.no_grad()
