@@ -146,6 +146,7 @@ class Block(nn.Module):
         self.hc_sinkhorn_iters, self.hc_eps = args.hc_sinkhorn_iters, args.hc_eps
         self.attn = Attention(args, layer_id)
         self.ffn = MoE(args, *args.dspark_experts) if layer_id >= args.n_layers else MoE(args)
+        self.ffn.layer_id = layer_id  # routing record/replay keys (model.moe.routing_replay)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.engram = engram
