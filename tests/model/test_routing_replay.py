@@ -2,7 +2,8 @@
 whole Transformer on `debug` (fp32, QAT off): replaying a sequence's own routing reproduces its
 logits bit for bit; after the weights change, replay forces the recorded experts while the gate still
 gets its gradient; unrecorded (-1) tokens route as usual; the record context sees what the forward's
-router stats say."""
+router stats say. The engine's record (`record_routing=True`, `InferenceEngine.routing`) over ragged
+prefill, decode steps, speculative verification and CED prefill is what a training forward routes."""
 
 import copy
 import functools
@@ -13,8 +14,10 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
 from model.config import get_flavor
+from model.engine import InferenceEngine
 from model.engram import EngramHasher
 from model.moe import routing_record, routing_replay, stack_routing
+from model.speculative import CostModel, SpeculativeConfig
 from model.transformer import Transformer
 
 ARGS = get_flavor("debug", qat=False)
@@ -84,3 +87,52 @@ def test_replay_checks_the_routing_shape():
         routing_replay(routing[:, :7], LAYERS),
     ):
         model(ids)
+
+
+# ---------------------------------------------------------------------------- the engine's record
+# The engine's forwards (ragged prefill, decode steps, verification) and one full forward compute the
+# same gate scores up to fp32 summation order (~1e-6); debug's top-k gaps are ~1e-2, so they pick the
+# same experts.
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(32, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _full_routing(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return stack_routing(model(torch.tensor([tokens])).router_stats)[0].to(torch.int32)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_records_what_a_training_forward_routes(speculative):
+    model = _model()
+    kw = {"speculative": SpeculativeConfig(cost=CostModel([1.0] * 3, 0.0))} if speculative else {}
+    engine = InferenceEngine(model, max_sessions=4, record_routing=True, **kw)
+    sids = [engine.start(_prompt(n, n)) for n in (9, 20)]
+    gen = engine.generate_speculative if speculative else engine.generate
+    gen(sids, 7, stop_ids=())
+    engine.extend(sids[0], _prompt(4, 99))  # a tool result, fed by the next turn
+    gen(sids[:1], 5, stop_ids=())
+    for sid in sids:
+        tokens, routing = engine.tokens(sid), engine.routing(sid)
+        assert routing.shape == (len(tokens), ARGS.n_layers, ARGS.n_activated_experts)
+        assert bool((routing[-1] == -1).all())  # the newest token is not fed yet
+        fed = tokens[:-1]
+        assert torch.equal(routing[:-1], _full_routing(model, fed))
+        with torch.no_grad(), routing_replay(routing[None, :-1], LAYERS):
+            replayed = model(torch.tensor([fed])).logits
+        with torch.no_grad():
+            assert torch.equal(replayed, model(torch.tensor([fed])).logits)
+    with pytest.raises(ValueError, match="record_routing=True"):
+        InferenceEngine(model).routing(0)
+
+
+def test_ced_engine_records_the_decoder_only_where_it_ran():
+    model, W, E = _model(), ARGS.window_size, ARGS.n_encoder_layers
+    engine = InferenceEngine(model, prefill_mode="ced", record_routing=True)
+    prompt = _prompt(2 * W + 3, 5)
+    sid = engine.start(prompt)
+    engine.generate([sid], 4, stop_ids=())
+    routing, tokens = engine.routing(sid), engine.tokens(sid)
+    R = len(prompt) - W  # the decoder replay segment of the prompt
+    assert bool((routing[:R, E:] == -1).all()) and bool((routing[R:-1] >= 0).all())
+    assert torch.equal(routing[:-1, :E], _full_routing(model, tokens[:-1])[:, :E])  # the encoder ran everywhere
