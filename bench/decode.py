@@ -28,13 +28,28 @@ spec_decode_tokens_per_s, speedup, acceptance_rate (accepted / verified drafts),
 (accepted drafts per drafting step), tokens_per_step (tokens a session keeps per verification
 forward; rows of a batch keep one common length), k_hist (verification lengths chosen, summed over
 sessions), cost_relative (measured step time of k = 0..K in plain-step units), greedy_equal (T = 0:
-the speculative tokens equal the plain ones)}. The confidence head is trained on what verification
-does: argmax match at T = 0, a Bernoulli draw of Σ min(p, q) above.
+the speculative tokens equal the plain ones), greedy_tie_aware_equal, divergences}. The confidence
+head is trained on what verification does: argmax match at T = 0, a Bernoulli draw of Σ min(p, q)
+above.
+
+Greedy equality in bf16 is tie-aware. The verify forward (k+1 tokens per row) and a decode step (one)
+compute the same function in other kernel orders; in fp32 they agree to ~1e-6 and the outputs are
+token for token equal (tests/model/test_speculative.py). In bf16 each path's logits carry rounding
+error, plus discrete flips (an MoE expert or indexer block chosen differently at a near-tie score),
+and a random backbone's logits are nearly flat (at init_std 0.02: std ~0.2, median top-2 gap ~0.04),
+so two correct paths part at the first position where the top two tokens are closer than that
+error. At each row's first divergence (shared prefix, plain token a, speculative token b) the bench
+recomputes the logits in fp32 from the same weights (the function both bf16 paths approximate) and
+measures eps = max |bf16 - fp32| of one bf16 forward over that prefix. If each path is within eps of
+fp32, a path picks b over a only if fp32 puts them within 2·eps: the divergence is a near-tie iff
+|l32(a) - l32(b)| <= 2·eps. A rollback or position bug instead emits tokens far from the top (gap >>
+eps). Each divergence is listed as {row, at, fp32_gap, eps, fp32_rank_of_spec_token}.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -51,6 +66,7 @@ from model.engine import InferenceEngine  # noqa: E402
 from model.engram import EngramHasher  # noqa: E402
 from model.speculative import SpeculativeConfig, align_drafter  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
+from model.transformer import Transformer, make_engram_inputs  # noqa: E402
 
 # (prompt_len, new_tokens) per flavor. The engine runs on the shipped default tokenizer (tiny's), so
 # debug and small (sized for the released one) take its vocabulary, Engram compressed vocabulary and
@@ -138,6 +154,42 @@ def _decode(engine: InferenceEngine, prompts, new_tokens: int, temperature: floa
     return outs, dt, stats
 
 
+@torch.no_grad()
+def greedy_agreement(model: Transformer, hasher: EngramHasher | None, prompts, plain, spec) -> dict:
+    """Exact and tie-aware greedy equality of two decodes of `prompts` (see the module docstring)."""
+    ref = None
+    divergences = []
+    for row, (prompt, x, y) in enumerate(zip(prompts, plain, spec)):
+        at = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), None)
+        if at is None:
+            if len(x.token_ids) != len(y.token_ids):
+                divergences.append({"row": row, "at": min(len(x.token_ids), len(y.token_ids)), "length": True})
+            continue
+        if ref is None:  # the same weights in fp32, torch ops (the function both bf16 paths approximate)
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float32)
+            try:
+                ref = Transformer(dataclasses.replace(model.args, impl="torch")).to(model.embed.weight.device)
+            finally:
+                torch.set_default_dtype(prev)
+            ref.load_state_dict(model.state_dict())
+            ref.eval()
+        ids = torch.tensor([prompt + x.token_ids[:at]], device=model.embed.weight.device)
+        engram = None if hasher is None else make_engram_inputs(hasher, ids.cpu())
+        l32, lmod = ref(ids, engram_inputs=engram).logits[0], model(ids, engram_inputs=engram).logits[0]
+        eps = (lmod.float() - l32).abs().max().item()
+        a, b, last = x.token_ids[at], y.token_ids[at], l32[-1]
+        gap = (last[a] - last[b]).abs().item()
+        rank = int((last > last[b]).sum()) + 1
+        divergences.append({"row": row, "at": at, "fp32_gap": round(gap, 5), "eps": round(eps, 5),
+                            "fp32_rank_of_spec_token": rank, "near_tie": gap <= 2 * eps})  # fmt: skip
+    return {
+        "greedy_equal": not divergences,
+        "greedy_tie_aware_equal": all(d.get("near_tie", False) for d in divergences),
+        "divergences": divergences,
+    }
+
+
 def bench_speculative(ns: argparse.Namespace, args: ModelArgs, flavor: str, device: torch.device) -> None:
     prompt_len, new_tokens = DEFAULTS[flavor]
     prompt_len, new_tokens = ns.prompt_len or prompt_len, ns.new_tokens or new_tokens
@@ -145,6 +197,13 @@ def bench_speculative(ns: argparse.Namespace, args: ModelArgs, flavor: str, devi
     batches = ns.batch or [1, 4]
     for temperature in ns.temperature or [0.0]:
         model = build_model(args, device)
+        if ns.dtype is not None:  # rebuilt in the asked dtype (fp32-by-design parameters stay fp32)
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype({"bf16": torch.bfloat16, "fp32": torch.float32}[ns.dtype])
+            try:
+                model = Transformer(args).to(device)
+            finally:
+                torch.set_default_dtype(prev)
         model.init_weights(std=ns.init_std)
         hasher = EngramHasher(args, tokenizer) if args.engram_layer_ids else None
         n_seq = ns.dspark_sequences
@@ -186,10 +245,10 @@ def bench_speculative(ns: argparse.Namespace, args: ModelArgs, flavor: str, devi
                 "tokens_per_step": round((n_spec - batch) / sum(k_hist.values()), 3) if k_hist else None,
                 "k_hist": dict(sorted(k_hist.items())),
                 "cost_relative": [round(x, 3) for x in engine.speculation_cost(batch).relative()],
-                "greedy_equal": [o.token_ids for o in plain] == [o.token_ids for o in spec] if temperature == 0
-                else None,
                 "loadavg": [round(x, 2) for x in os.getloadavg()],
             }  # fmt: skip
+            if temperature == 0:
+                row.update(greedy_agreement(model, hasher, prompts, plain, spec))
             print(json.dumps(row), flush=True)
 
 
@@ -207,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dspark-sequences", type=int, default=32, help="backbone continuations to train on")
     p.add_argument("--dspark-new-tokens", type=int, default=64, help="continuation length to train on")
     p.add_argument("--init-std", type=float, default=0.02, help="speculative: the random backbone's init std")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="speculative: the backbone's dtype (default: bf16 on CUDA, fp32 on CPU)")  # fmt: skip
     p.add_argument(
         "--eval-prompts",
         choices=("train", "fresh"),

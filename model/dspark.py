@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention, sparse_attn_blocked_ref, window_topk_idxs, windowed_sparse_attn
 from model.config import ModelArgs
@@ -41,12 +42,18 @@ class DraftOutput:
     the backbone's logits at position s+i.
 
     logits [B,S,k,V] fp32 (Markov-biased); confidence [B,S,k] fp32 raw logits; draft_ids [B,S,k]
-    argmax of the biased logits; router_stats one per stage (tokens = the S·K block rows)."""
+    argmax of the biased logits; router_stats one per stage (tokens = the S·K block rows).
+    Without logits (`with_logits=False`, Markov "teacher"): logits and draft_ids are None, and
+    hidden [B,S,k,D] (the last stage's pre-norm rows) with prev_ids [B,S,k] (each row's Markov
+    predecessor) give any slice's logits through `DSpark.draft_logits`: a loss can then be taken
+    over positions chunk by chunk (`dspark_loss_chunked`), never [B,S,k,V] at once."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     confidence: torch.Tensor
-    draft_ids: torch.Tensor
+    draft_ids: torch.Tensor | None
     router_stats: list[RouterStats] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+    prev_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -219,10 +226,12 @@ class DSpark(nn.ModuleList):
         rope_table: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         markov: Markov = "teacher",
+        with_logits: bool = True,
     ) -> DraftOutput:
         """Drafts for every anchor position s of a teacher-forced sequence, batched over s (see
         DraftOutput for the alignment). main_hidden [B,S,X]; input_ids [B,S] (anchors); doc_ids [B,S]
         (packed rows: context and positions restart per document, as the backbone's).
+        `with_logits=False` (teacher Markov only) skips the [B,S,k,V] logits (DraftOutput).
 
         The block always has K rows (they attend to each other); the first k are returned. The Markov
         bias of row i uses the predecessor token: `markov="teacher"` the true token s+i (row 0: the
@@ -251,8 +260,11 @@ class DSpark(nn.ModuleList):
             lambda st: (st.context_kv(main_x, freqs_ctx), freqs_blk, -W, win_idxs),
         )
         x_BSKD = x_BND.view(B, S, K, -1)[:, :, :k]
-        base_BSkV = self._head(x_BSKD, head_weight)
         last = self[-1]
+        if markov not in ("teacher", "greedy"):
+            raise ValueError(f"markov={markov!r} must be 'teacher' or 'greedy'")
+        if not with_logits and markov != "teacher":
+            raise ValueError("with_logits=False needs markov='teacher' (greedy rows read the previous row's logits)")
         if markov == "teacher":
             # row i's predecessor is token s+i (beyond the row's end: noise; those rows have no target)
             nxt = F.pad(input_ids, (0, k - 1), value=self.noise_id)
@@ -261,9 +273,14 @@ class DSpark(nn.ModuleList):
                 prev_BSk = torch.where(same, nxt.unfold(1, k, 1), self.noise_id)
             else:
                 prev_BSk = nxt.unfold(1, k, 1)
-            bias, m_embed = last.markov_head(prev_BSk)
-            logits = base_BSkV + bias
-        elif markov == "greedy":
+            m_embed = last.markov_head.embed(prev_BSk)
+            confidence = last.confidence_head(x_BSKD, m_embed)
+            if not with_logits:
+                return DraftOutput(None, confidence, None, stats, hidden=x_BSKD, prev_ids=prev_BSk)
+            logits = self.draft_logits(x_BSKD, prev_BSk, head_weight)
+            return DraftOutput(logits, confidence, logits.argmax(-1), stats)
+        base_BSkV = self._head(x_BSKD, head_weight)
+        if markov == "greedy":
             rows, embeds, prev = [], [], input_ids
             for i in range(k):
                 bias, e = last.markov_head(prev)
@@ -271,10 +288,13 @@ class DSpark(nn.ModuleList):
                 embeds.append(e)
                 prev = rows[-1].argmax(-1)
             logits, m_embed = torch.stack(rows, 2), torch.stack(embeds, 2)
-        else:
-            raise ValueError(f"markov={markov!r} must be 'teacher' or 'greedy'")
         confidence = last.confidence_head(x_BSKD, m_embed)
         return DraftOutput(logits, confidence, logits.argmax(-1), stats)
+
+    def draft_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Markov-biased draft logits [..., V] fp32 of pre-norm rows hidden [..., D] whose Markov
+        predecessors are prev_ids [...] (DraftOutput.hidden / prev_ids, or a slice of them)."""
+        return self._head(hidden, head_weight) + self[-1].markov_head(prev_ids)[0]
 
     # ------------------------------------------------------------------ decoding
     def extend_context(self, main_hidden: torch.Tensor, cache: DSparkCache, rope_table: torch.Tensor) -> None:
@@ -380,16 +400,7 @@ def dspark_loss(
     `accepted` [B,S,k] (does the draft token equal the policy's token; default: draft_ids equals the
     target id, or the target's argmax). mask [B,S,k] bool selects rows (default: all rows with a
     target; a probability row of all zeros counts as none)."""
-    logp = torch.log_softmax(draft.logits.float(), dim=-1)
-    if target.dim() == logp.dim():
-        probs = target.detach().float()
-        ce = -(probs * logp).sum(-1)
-        has_target = probs.sum(-1) > 0
-        policy_ids = probs.argmax(-1)
-    else:
-        has_target = target >= 0
-        policy_ids = target.clamp_min(0)
-        ce = -logp.gather(-1, policy_ids[..., None]).squeeze(-1)
+    ce, has_target, policy_ids = _draft_ce(torch.log_softmax(draft.logits.float(), dim=-1), target)
     valid = has_target if mask is None else mask & has_target
     if accepted is None:
         accepted = draft.draft_ids == policy_ids
@@ -400,7 +411,69 @@ def dspark_loss(
     return DSparkLoss(ce_mean + confidence_weight * bce_mean, ce_mean, bce_mean, acceptance)
 
 
+def _draft_ce(logp: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy, has-target mask and policy ids of `dspark_loss` (target: probs or ids)."""
+    if target.dim() == logp.dim():
+        probs = target.detach().float()
+        return -(probs * logp).sum(-1), probs.sum(-1) > 0, probs.argmax(-1)
+    policy_ids = target.clamp_min(0)
+    return -logp.gather(-1, policy_ids[..., None]).squeeze(-1), target >= 0, policy_ids
+
+
+def dspark_loss_chunked(
+    mtp: DSpark,
+    draft: DraftOutput,
+    head_weight: torch.Tensor,
+    target: Callable[[int, int], torch.Tensor],
+    accepted: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    confidence_weight: float = 1.0,
+    chunk: int = 256,
+) -> DSparkLoss:
+    """`dspark_loss` of a logit-free DraftOutput (`with_logits=False`), over anchor positions `chunk`
+    at a time: the same loss and gradients (up to fp32 summation order), but the draft logits and the
+    target of one chunk [B,chunk,k,V] are the largest vocabulary-sized tensors ever alive, in the
+    forward and in the backward (each chunk's cross-entropy is checkpointed: its logits are
+    recomputed during backward instead of kept).
+
+    target(lo, hi): the target of anchors lo..hi-1, probabilities [B,hi-lo,k,V] or ids [B,hi-lo,k]
+    (as dspark_loss's); it is called under no_grad, again during backward for soft targets, so it
+    must be a pure function (build it from the policy's hidden state, not from stored logits).
+    accepted / mask [B,S,k] as dspark_loss's (default accepted: the draft's argmax equals the
+    target's)."""
+    if draft.hidden is None or draft.prev_ids is None:
+        raise ValueError("dspark_loss_chunked needs a DraftOutput from draft_teacher_forced(with_logits=False)")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    S = draft.prev_ids.size(1)
+
+    def chunk_ce(hidden: torch.Tensor, prev_ids: torch.Tensor, lo: int, hi: int):
+        logits = mtp.draft_logits(hidden, prev_ids, head_weight)
+        with torch.no_grad():
+            tgt = target(lo, hi)
+        ce, has_target, policy_ids = _draft_ce(torch.log_softmax(logits, dim=-1), tgt)
+        valid = has_target if mask is None else mask[:, lo:hi] & has_target
+        hit = logits.detach().argmax(-1) == policy_ids
+        return (ce * valid).sum(), valid, hit
+
+    ce_sum, valids, hits = draft.confidence.new_zeros(()), [], []
+    for lo in range(0, S, chunk):
+        hi = min(S, lo + chunk)
+        args = (draft.hidden[:, lo:hi], draft.prev_ids[:, lo:hi], lo, hi)
+        grad = torch.is_grad_enabled()
+        part, valid, hit = checkpoint(chunk_ce, *args, use_reentrant=False) if grad else chunk_ce(*args)
+        ce_sum, valids, hits = ce_sum + part, valids + [valid], hits + [hit]
+    valid, hit = torch.cat(valids, 1), torch.cat(hits, 1)
+    if accepted is None:
+        accepted = hit
+    bce = F.binary_cross_entropy_with_logits(draft.confidence.float(), accepted.float(), reduction="none")
+    n = valid.sum().clamp_min(1)
+    ce_mean, bce_mean = ce_sum / n, (bce * valid).sum() / n
+    acceptance = ((accepted & valid).sum() / n).detach()
+    return DSparkLoss(ce_mean + confidence_weight * bce_mean, ce_mean, bce_mean, acceptance)
+
+
 __all__ = [
     "DSpark", "DSparkCache", "DSparkLoss", "DSparkStage", "DraftOutput", "DraftStep", "align_to_drafts",
-    "draft_target_ids", "dspark_loss",
+    "draft_target_ids", "dspark_loss", "dspark_loss_chunked",
 ]  # fmt: skip

@@ -25,6 +25,8 @@ itself in model/speculative.py.
 CED prefill (`prefill_mode="ced"`): each prompt (what a prefill or the start of a generate call feeds)
 goes through model/ced.py; decode steps are the ragged steps above.
 Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix.
+Routing record (`record_routing=True`): every fed token's MoE experts per backbone layer, for routing
+replay in training (`routing`, model.moe.routing_replay).
 Packed cache storage (`packed_cache=True`, QAT models): the sessions' LayerCaches hold the byte entries
 of model/packed_cache.py (attention.py packs on write, unpacks on read); by default they hold the dense
 fake-quantised tensors. `cache_bytes` reports the packed size either way.
@@ -33,7 +35,8 @@ fake-quantised tensors. `cache_bytes` reports the packed size either way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +47,7 @@ from model.ced import EngramFn, ced_prefill, check_ced
 from model.chat_template import ChatTemplate
 from model.dspark import DSparkCache
 from model.engram import EngramHasher
+from model.moe import routing_record
 from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
 from model.ragged_cache import GraphPool, RaggedBatch
@@ -99,6 +103,8 @@ class _Session:
     # the drafter has not consumed yet, and the session's acceptance statistics
     main_hidden: torch.Tensor | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    # record_routing engines: [n, n_layers, K] int32 blocks of the fed tokens' experts, in token order
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n_unfed(self) -> int:
@@ -123,13 +129,16 @@ class InferenceEngine:
         speculative: SpeculativeConfig | None = None,
         packed_cache: bool = False,
         cuda_graphs: bool | None = None,
+        record_routing: bool = False,
     ):
         self.device = torch.device(device)
         # decode steps replay CUDA graphs (model/ragged_cache.py GraphPool): on by default on CUDA with
         # impl=triton, where an eager step of `small` is ~100 ms of kernel launches; the eager path is
         # the same forward (CPU, impl=torch, or cuda_graphs=False)
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and model.args.impl == "triton"
+        if cuda_graphs is None:  # a graph replay runs no Python, so routing recording takes the eager path
+            cuda_graphs = self.device.type == "cuda" and model.args.impl == "triton" and not record_routing
+        if cuda_graphs and record_routing:
+            raise ValueError("record_routing records in Python, a CUDA graph replay runs none: pass cuda_graphs=False")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}: pass cuda_graphs=False")
         if cuda_graphs and model.args.impl != "triton":
@@ -144,6 +153,7 @@ class InferenceEngine:
         if packed_cache and prefix_cache is not None:
             raise ValueError("the prefix cache stores dense LayerCache fields: use packed_cache=False with it")
         self.packed_cache = packed_cache
+        self.record_routing = record_routing
         self.model = model.to(self.device).eval()
         self.tokenizer = template.tokenizer if isinstance(template, ChatTemplate) else template
         self.default_stop_ids: tuple[int, ...] = template.stop_ids if isinstance(template, ChatTemplate) else ()
@@ -217,6 +227,8 @@ class InferenceEngine:
             )  # fmt: skip
             if cache is not None:
                 s.cache = cache
+                if self.record_routing:  # the prefix cache does not keep routing: not recorded
+                    s.routing.append(self._unrecorded(cache.seq_len))
         return sid
 
     def extend(self, session_id: int, new_ids: Sequence[int]) -> None:
@@ -250,6 +262,35 @@ class InferenceEngine:
     def cache(self, session_id: int) -> ModelCache:
         """The session's ModelCache, for inspection only (the engine replaces it when batching)."""
         return self._get(session_id).cache
+
+    def routing(self, session_id: int) -> torch.Tensor:
+        """int32 [len(tokens), n_layers, K] (engine built with record_routing=True): row t holds the experts
+        (ascending) each backbone MoE layer chose for token t when the engine fed it, for
+        model.moe.routing_replay. -1 rows: not recorded, routed afresh on replay: tokens not fed yet
+        (the newest generated one), tokens restored from the prefix cache, and under CED prefill the
+        decoder layers of prompt tokens before the replay segment (the decoder never ran on them)."""
+        if not self.record_routing:
+            raise ValueError("build the engine with record_routing=True to record routing")
+        s = self._get(session_id)
+        fed = torch.cat(s.routing) if s.routing else self._unrecorded(0)
+        return torch.cat([fed, self._unrecorded(len(s.token_ids) - fed.size(0)).to(fed.device)])
+
+    def _unrecorded(self, n: int) -> torch.Tensor:
+        return torch.full((n, self.model.args.n_layers, self.model.args.n_activated_experts), -1,
+                          dtype=torch.int32, device=self.device)  # fmt: skip
+
+    @contextmanager
+    def _recording(self) -> Iterator[dict[int, list[torch.Tensor]] | None]:
+        """model.moe.routing_record around one forward when recording routing (else None)."""
+        if not self.record_routing:
+            yield None
+            return
+        with routing_record() as record:
+            yield record
+
+    def _routing_BSLK(self, record: dict[int, list[torch.Tensor]], layers: range) -> torch.Tensor:
+        """[B,S,len(layers),K] int32 from one forward's record: each layer's calls joined along S."""
+        return torch.stack([torch.cat(record[i], dim=1) for i in layers], dim=-2).to(torch.int32)
 
     @property
     def session_ids(self) -> list[int]:
@@ -310,13 +351,17 @@ class InferenceEngine:
                 ids = [s.token_ids[p : min(len(s.token_ids), p + chunk)] for s, p in zip(group, batch.pos)]
                 if not any(ids):
                     break
-                out = batch.step(ids, self._engram_rows(group, batch.pos, ids), return_main_hidden=keep_hidden)
+                with self._recording() as record:
+                    out = batch.step(ids, self._engram_rows(group, batch.pos, ids), return_main_hidden=keep_hidden)
                 logits_BV, main_hidden = out if keep_hidden else (out, None)
+                routing = None if record is None else self._routing_BSLK(record, range(self.model.args.n_layers))
                 self.stats["forward_calls"] += 1
                 self.stats["tokens_fed"] += sum(map(len, ids))
                 for b, (s, fed) in enumerate(zip(group, ids)):
                     if not fed:
                         continue
+                    if routing is not None:
+                        s.routing.append(routing[b, : len(fed)])
                     if batch.pos[b] == len(s.token_ids):
                         s.next_logits, s.next_version = logits_BV[b], self.policy_version
                     if main_hidden is not None:
@@ -340,10 +385,13 @@ class InferenceEngine:
         start, n = group[0].cache.seq_len, group[0].n_unfed
         ids = torch.tensor([s.token_ids[start : start + n] for s in group], dtype=torch.long, device=self.device)
         cache = group[0].cache if len(group) == 1 else _stack([s.cache for s in group])
-        logits_BV, main_hidden, n_replay = ced_prefill(
-            self.model, ids, start, cache, chunk=self.prefill_chunk,
-            engram_inputs=self._engram_fn([s.token_ids for s in group]),
-        )  # fmt: skip
+        with self._recording() as record:
+            logits_BV, main_hidden, n_replay = ced_prefill(
+                self.model, ids, start, cache, chunk=self.prefill_chunk,
+                engram_inputs=self._engram_fn([s.token_ids for s in group]),
+            )  # fmt: skip
+        if record is not None:
+            self._record_ced(group, record, start, n)
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += ids.numel()
         self.stats["replay_tokens"] += n_replay * len(group)
@@ -361,6 +409,24 @@ class InferenceEngine:
                 self._stash_hidden(s, main_hidden[i : i + 1])
             if self.prefix_cache is not None:
                 self.prefix_cache.store(s.token_ids[: s.cache.seq_len], s.cache)
+
+    def _record_ced(self, group: list[_Session], record: dict, start: int, n: int) -> None:
+        """The routing of a CED prefill of positions [start, start+n): the encoder's over all of them, the
+        decoder's over the replay segment [R, start+n) (rows before start are earlier tokens replayed:
+        they keep what was recorded when they were fed), -1 before it."""
+        a = self.model.args
+        E = a.n_encoder_layers
+        enc = self._routing_BSLK(record, range(E))
+        dec = self._routing_BSLK(record, range(E, a.n_layers))
+        if enc.size(1) != n or dec.size(1) > start + n:
+            raise RuntimeError(f"CED routing record covers {enc.size(1)} encoder / {dec.size(1)} decoder positions "
+                               f"for a prefill of {n} at {start}")  # fmt: skip
+        routing = self._unrecorded(n)[None].repeat(len(group), 1, 1, 1)
+        routing[:, :, :E] = enc
+        m = min(n, dec.size(1))  # the segment's rows at the new positions
+        routing[:, n - m :, E:] = dec[:, dec.size(1) - m :]
+        for b, s in enumerate(group):
+            s.routing.append(routing[b])
 
     def _engram_fn(self, token_lists: Sequence[Sequence[int]]) -> EngramFn | None:
         """Engram inputs of the rows' tokens at a position, hashed by the engine (None: by the model)."""
@@ -481,13 +547,17 @@ class InferenceEngine:
         ids = [s.token_ids[-1] for s in group]
         keep_hidden = self.speculative is not None
         engram = self._engram_rows(group, batch.pos, [[t] for t in ids])
-        out = batch.decode(ids, engram, return_main_hidden=keep_hidden)
+        with self._recording() as record:
+            out = batch.decode(ids, engram, return_main_hidden=keep_hidden)
         logits_BV, main_hidden = out if keep_hidden else (out, None)
+        routing = None if record is None else self._routing_BSLK(record, range(self.model.args.n_layers))
         self.stats["forward_calls"] += 1
         self.stats["decode_steps"] += 1
         self.stats["tokens_fed"] += len(group)
         for b, s in enumerate(group):
             s.next_version = self.policy_version
+            if routing is not None:
+                s.routing.append(routing[b, :1])
             if main_hidden is not None:
                 self._stash_hidden(s, main_hidden[b : b + 1])
         return logits_BV
@@ -591,12 +661,16 @@ class InferenceEngine:
             hidden = sync_drafter(cache, torch.cat([s.main_hidden for s in group]))
         cost = self.speculation_cost(B)
         c = min(p, self.model.args.engram_max_ngram_size - 1) if self._hasher is not None else 0
-        res = speculative_step(
-            self.model, self._verify_forward, cache,
+        with self._recording() as record:
+            res = speculative_step(
+                self.model, self._verify_forward, cache,
             torch.tensor([s.token_ids[p] for s in group], device=self.device),
-            torch.tensor([s.token_ids[p - c : p] for s in group], dtype=torch.long),
-            hidden, k_max=k_max, cost=cost, temperature=temperature, top_p=top_p, generators=[gens[i] for i in idx],
-        )  # fmt: skip
+                torch.tensor([s.token_ids[p - c : p] for s in group], dtype=torch.long),
+                hidden, k_max=k_max, cost=cost, temperature=temperature, top_p=top_p,
+                generators=[gens[i] for i in idx],
+            )  # fmt: skip
+        # the verify forward's routing (the drafter's MoE stages have other layer ids)
+        routing = None if record is None else self._routing_BSLK(record, range(self.model.args.n_layers))
         if B > 1:
             for b, s in enumerate(group):
                 s.cache = _row(cache, b)
@@ -613,6 +687,8 @@ class InferenceEngine:
             n_kept += keep
             self._commit(s, outs[i], emitted[b][:keep], logprobs[b][:keep], self.policy_version, finish)
             s.cache.truncate(p + keep)
+            if routing is not None:  # the anchor and the kept tokens were fed; the rest is rolled back
+                s.routing.append(routing[b, :keep])
             if k_max > 0:  # the drafter consumed the pending context; the kept tokens' is next
                 s.main_hidden = None
             self._stash_hidden(s, res.main_hidden[b : b + 1, :keep])

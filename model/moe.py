@@ -4,6 +4,9 @@ Routing: sqrt(softplus) scores (softmax/sigmoid also available), top-k selected 
 correction bias (`bias`, or `bias_vl` for image-span tokens), weights from the unbiased scores.
 The MoE groups tokens by expert and runs each expert on its own tokens only. Also here: the
 DeepSeek-V3 sequence-wise balance loss and the aux-loss-free bias update, as pure functions.
+Routing record/replay (`routing_record`, `routing_replay`): a rollout records each token's experts
+per MoE layer, a training forward routes by them (the learner's weights still come from its own
+scores, so the gate trains); everything else, the indexer's top-k included, is recomputed.
 With `impl: triton` the routed experts run as grouped GEMMs (kernels/moe.py, one launch per GEMM for
 all experts, no host sync); the loop below stays the reference. Not here: expert parallelism and
 fp8/fp4 weight storage.
@@ -12,7 +15,9 @@ Shape legend: T tokens (B·S flattened), D model dim, F expert inter dim, E rout
 K experts per token, N = T·K token-expert assignments, B batch, S sequence.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +47,46 @@ class RouterStats:
     mean_prob: torch.Tensor
     topk_idx: torch.Tensor
     scores: torch.Tensor
+
+
+# routing replay: layer id -> forced experts [..., K] (-1 rows: route as usual); routing record:
+# layer id -> the topk_idx [..., K] of every MoE call of that layer, in call order
+_REPLAY: ContextVar[Mapping[int, torch.Tensor] | None] = ContextVar("moe_routing_replay", default=None)
+_RECORD: ContextVar[dict[int, list[torch.Tensor]] | None] = ContextVar("moe_routing_record", default=None)
+
+
+@contextmanager
+def routing_replay(routing: torch.Tensor, layer_ids: Sequence[int]) -> Iterator[None]:
+    """Inside, MoE layer `layer_ids[j]` routes token t by routing[..., j, :] instead of its own top-k
+    (routing int [..., n_layers, K], leading dims those of the forward's tokens, e.g. [B,S]: as
+    `stack_routing` returns them). A token whose row is all -1 (not recorded) routes as usual. The
+    routing weights are the layer's own scores at the forced experts (normalised as usual), so the
+    gate keeps its gradient; the correction bias is not consulted. Only the MoE choice is replayed:
+    attention, the indexer's top-k and the DSpark stages (other layer ids) run as always."""
+    forced = {int(layer): routing[..., j, :] for j, layer in enumerate(layer_ids)}
+    token = _REPLAY.set(forced)
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+@contextmanager
+def routing_record() -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Collects, per MoE layer id, the experts [..., K] (int64, ascending) of every call made inside,
+    in call order (detached; leading dims as the call's tokens)."""
+    record: dict[int, list[torch.Tensor]] = {}
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+
+
+def stack_routing(stats: Sequence["RouterStats"]) -> torch.Tensor:
+    """The routing of one forward as `routing_replay` takes it: [..., n_layers, K] from the forward's
+    router stats (TransformerOutput.router_stats, one per backbone layer in layer order)."""
+    return torch.stack([s.topk_idx for s in stats], dim=-2)
 
 
 def _frozen_fp32(n: int) -> nn.Parameter:
@@ -81,9 +126,10 @@ class Gate(nn.Module):
             nn.init.zeros_(self.bias_vl)
 
     def forward(
-        self, x_TD: torch.Tensor, image_mask_T: torch.Tensor | None = None
+        self, x_TD: torch.Tensor, image_mask_T: torch.Tensor | None = None, forced_TK: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (weights_TK fp32, topk_idx_TK int64 ascending per token, scores_TE fp32)."""
+        """-> (weights_TK fp32, topk_idx_TK int64 ascending per token, scores_TE fp32). forced_TK:
+        experts to use instead of the top-k (rows of -1: the top-k), see `routing_replay`."""
         scores_TE = F.linear(x_TD.float(), self.weight.float()) / self.gate_temp
         scores_TE = SCORE_FNS[self.score_func](scores_TE)
         bias_E = self.bias
@@ -91,6 +137,9 @@ class Gate(nn.Module):
             bias_E = torch.where(image_mask_T.unsqueeze(-1), self.bias_vl, self.bias)
         # the bias picks experts but does not scale them: weights come from the unbiased scores
         topk_idx_TK = (scores_TE + bias_E).topk(self.topk, dim=-1).indices
+        if forced_TK is not None:
+            forced_TK = forced_TK.to(topk_idx_TK.device, torch.int64)
+            topk_idx_TK = torch.where((forced_TK >= 0).all(-1, keepdim=True), forced_TK, topk_idx_TK)
         # ascending expert id per token, so the fp32 accumulation order equals the reference's
         # expert-by-expert loop (bit-identical sums)
         topk_idx_TK = topk_idx_TK.sort(dim=-1).values
@@ -161,6 +210,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
         self.swiglu_limit = args.swiglu_limit
         self.grouped_experts = None
+        self.layer_id: int | None = None  # set by the owning Block: the key of routing record/replay
         if args.impl == "triton":
             from kernels.moe import moe_experts  # chosen at construction (STYLE rule 13)
 
@@ -175,7 +225,20 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, self.dim)
         K, E = self.n_activated_experts, self.n_routed_experts
         mask_T = None if image_mask is None else image_mask.reshape(-1)
-        weights_TK, topk_idx_TK, scores_TE = self.gate(x_TD, mask_T)
+        replay = _REPLAY.get()
+        forced_TK = None
+        if replay is not None and self.layer_id in replay:
+            forced = replay[self.layer_id]
+            if forced.shape[:-1] != lead or forced.size(-1) != K:
+                raise ValueError(
+                    f"layer {self.layer_id}: replayed routing {tuple(forced.shape)} does not match tokens "
+                    f"{tuple(lead)} x top-{K}; pass routing[..., n_layers, K] of this forward"
+                )
+            forced_TK = forced.reshape(-1, K)
+        weights_TK, topk_idx_TK, scores_TE = self.gate(x_TD, mask_T, forced_TK)
+        record = _RECORD.get()
+        if record is not None and self.layer_id is not None:
+            record.setdefault(self.layer_id, []).append(topk_idx_TK.detach().view(*lead, K))
 
         expert_N = topk_idx_TK.flatten()
         # scatter_add, not bincount: CUDA bincount syncs with the host (the Triton path has no other sync)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.dspark import DSparkCache, align_to_drafts, dspark_loss
+from model.dspark import DSparkCache, align_to_drafts, dspark_loss_chunked
 from model.engram import EngramHasher
 from model.sampling import sampling_logprobs
 from model.transformer import ModelCache, Transformer, make_engram_inputs
@@ -257,6 +257,11 @@ def sync_drafter(cache: ModelCache, hidden: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- drafter alignment
+# vocabulary-sized fp32 values alive at once in `align_drafter` at most (a backbone forward's logits,
+# one chunk of draft logits and targets): 2^28 = 1 GiB
+_ALIGN_LOGITS = 1 << 28
+
+
 def align_drafter(
     model: Transformer,
     sequences: torch.Tensor,
@@ -268,6 +273,7 @@ def align_drafter(
     lr: float = 3e-3,
     seed: int = 0,
     engram_hasher: EngramHasher | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """Align the DSpark drafter (`mtp.*` only) to the frozen backbone on `sequences` [N,S] (e.g. the
     backbone's own continuations): `steps` AdamW steps of dspark_loss with the backbone's sampling
@@ -275,33 +281,66 @@ def align_drafter(
     learns what verification will do: at temperature 0 whether the draft is the argmax; above, a
     Bernoulli draw of the acceptance probability Σ_v min(p, q) (an unbiased label for the BCE). The
     backbone runs once, under no_grad; drafts are teacher-forced. Returns {steps, loss and
-    teacher-forced acceptance (those labels' mean) first and last, seconds}."""
+    teacher-forced acceptance (those labels' mean) first and last, seconds}.
+
+    Memory: no [N,S,V] or [batch,S,k,V] tensor is built. The backbone runs over as many rows at a
+    time as _ALIGN_LOGITS allows and keeps its DSpark context and final hidden state (dim-sized);
+    targets are recomputed from that hidden state per chunk, and the loss is `dspark_loss_chunked`
+    over `chunk` anchor positions at a time (default: as many as _ALIGN_LOGITS allows)."""
     t0 = time.perf_counter()
-    k = model.args.dspark_block_size
-    engram = None if engram_hasher is None else make_engram_inputs(engram_hasher, sequences.cpu())
+    a = model.args
+    k = a.dspark_block_size
+    N, S = sequences.shape
+    B = min(batch, N)
+    chunk = chunk or max(1, _ALIGN_LOGITS // (B * k * a.vocab_size))
+    main_hidden, hidden, argmax = [], [], []
     with torch.no_grad():
-        out = model(sequences, engram_inputs=engram)
-        if temperature == 0:
-            target = align_to_drafts(out.logits.argmax(-1), k, -1)
-        else:
-            target = align_to_drafts(sampling_logprobs(out.logits, temperature, top_p).exp(), k)
+        rows_per_call = max(1, _ALIGN_LOGITS // (S * a.vocab_size))
+        for lo in range(0, N, rows_per_call):
+            part = sequences[lo : lo + rows_per_call]
+            engram = None if engram_hasher is None else make_engram_inputs(engram_hasher, part.cpu())
+            out = model(part, engram_inputs=engram)
+            main_hidden.append(out.main_hidden)
+            if temperature == 0:
+                argmax.append(out.logits.argmax(-1))
+            else:
+                hidden.append(out.hidden)
+            del out
+    main_hidden = torch.cat(main_hidden)
+    hard = align_to_drafts(torch.cat(argmax), k, -1) if temperature == 0 else None
+    hidden = torch.cat(hidden) if temperature > 0 else None
+
+    def target_of(rows: torch.Tensor):
+        def target(lo: int, hi: int) -> torch.Tensor:
+            if hard is not None:
+                return hard[rows, lo:hi]
+            # the policy's probabilities at positions s..s+k-1 of every anchor s in lo..hi-1
+            p = sampling_logprobs(model.head(hidden[rows, lo : min(S, hi + k - 1)].float()), temperature, top_p).exp()
+            p = torch.nn.functional.pad(p, (0, 0, 0, hi - lo + k - 1 - p.size(1)))  # no policy past the end
+            return p.unfold(1, k, 1).movedim(-1, 2)
+
+        return target
+
     params = list(model.mtp.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
+    head_weight = model.head.weight.detach()
     log = []
     was_training = model.training
     model.train()
     for _ in range(steps):
-        rows = torch.randint(0, sequences.size(0), (min(batch, sequences.size(0)),), generator=g)
-        rows = rows.to(sequences.device)
-        draft = model.draft_teacher_forced(out.main_hidden[rows], sequences[rows], k)
+        rows = torch.randint(0, N, (B,), generator=g).to(sequences.device)
+        draft = model.draft_teacher_forced(main_hidden[rows], sequences[rows], k, with_logits=False)
+        target = target_of(rows)
         accepted = None
         if temperature > 0:
-            with torch.no_grad():
-                q = torch.softmax(draft.logits.float() / temperature, -1)
-                p_accept = torch.minimum(q, target[rows]).sum(-1)
-                accepted = torch.rand(p_accept.shape, generator=g).to(p_accept.device) < p_accept
-        res = dspark_loss(draft, target[rows], accepted)
+            u = torch.rand(draft.confidence.shape, generator=g).to(draft.confidence.device)
+            accepted = torch.cat([
+                u[:, lo : lo + chunk] < _p_accept(model, draft, head_weight, target, lo, min(S, lo + chunk),
+                                                  temperature)
+                for lo in range(0, S, chunk)
+            ], 1)  # fmt: skip
+        res = dspark_loss_chunked(model.mtp, draft, head_weight, target, accepted, chunk=chunk)
         opt.zero_grad(set_to_none=True)
         res.loss.backward()
         opt.step()
@@ -316,6 +355,14 @@ def align_drafter(
         "tf_acceptance_last": round(sum(a for _, a in last) / len(last), 4),
         "train_s": round(time.perf_counter() - t0, 2),
     }
+
+
+@torch.no_grad()
+def _p_accept(model, draft, head_weight, target, lo: int, hi: int, temperature: float) -> torch.Tensor:
+    """Σ_v min(q, p) [B,hi-lo,k] of anchors lo..hi-1: the probability verification accepts the draft."""
+    q = torch.softmax(model.mtp.draft_logits(draft.hidden[:, lo:hi], draft.prev_ids[:, lo:hi], head_weight)
+                      / temperature, -1)  # fmt: skip
+    return torch.minimum(q, target(lo, hi)).sum(-1)
 
 
 # ---------------------------------------------------------------------------- cost model

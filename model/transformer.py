@@ -146,6 +146,7 @@ class Block(nn.Module):
         self.hc_sinkhorn_iters, self.hc_eps = args.hc_sinkhorn_iters, args.hc_eps
         self.attn = Attention(args, layer_id)
         self.ffn = MoE(args, *args.dspark_experts) if layer_id >= args.n_layers else MoE(args)
+        self.ffn.layer_id = layer_id  # routing record/replay keys (model.moe.routing_replay)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.engram = engram
@@ -581,17 +582,19 @@ class Transformer(nn.Module):
         *,
         doc_ids: torch.Tensor | None = None,
         markov: Markov = "teacher",
+        with_logits: bool = True,
     ) -> DraftOutput:
         """DSpark drafts for every anchor position of a teacher-forced row (model.dspark.DraftOutput:
         logits [B,S,k,V], row i of anchor s predicts token s+1+i). main_hidden: TransformerOutput's.
         The context, the embedding and the head enter DETACHED, so a DSpark loss trains mtp.* only.
-        k defaults to dspark_block_size."""
+        k defaults to dspark_block_size. with_logits=False: no logits, for dspark_loss_chunked."""
         mtp = self._drafter()
         K = mtp.block_size
         table = self._table(False, input_ids.size(1) + K, input_ids.device)
         return mtp.draft_teacher_forced(
             main_hidden.detach(), input_ids, k or K, embed_weight=self.embed.weight.detach(),
             head_weight=self.head.weight.detach(), rope_table=table, doc_ids=doc_ids, markov=markov,
+            with_logits=with_logits,
         )  # fmt: skip
 
     @torch.no_grad()

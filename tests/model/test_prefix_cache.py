@@ -121,3 +121,48 @@ def test_prefix_cache_needs_ced_and_packed_needs_qat(model):
     with pytest.raises(ValueError, match="exact only for QAT"):
         InferenceEngine(no_qat, prefill_mode="ced", prefix_cache=PrefixCache())
     InferenceEngine(no_qat, prefill_mode="ced", prefix_cache=PrefixCache(packed=False))
+
+
+def test_hits_change_no_token_or_logprob(model):
+    """The rollout's two uses of the prefix cache against an engine without one doing the same feeds:
+    G samples of one prompt (a head session prefills the prompt but its last token once; each sample
+    starts on the whole prompt, restores that state warm and feeds one token), and a later turn of an
+    episode restarted as a fresh session on the whole conversation (restores the first prompt's state
+    and CED-prefills the turn's tokens). Sampled at temperature 1 with per-sample seeds: the same
+    tokens and bit-identical log-probs (the packed banks round-trip exactly under QAT, the window
+    tier is the stored tensors, and both engines then run the same forwards on the same rows)."""
+    G, n_new = 4, 6
+    prompt, turn = _ids(2 * W + 5, 11), _ids(5, 12)
+    kw = dict(temperature=1.0, stop_ids=(), seed=[31 + g for g in range(G)])
+    pc = PrefixCache(clock=Clock())
+    hot = InferenceEngine(model, prefill_mode="ced", prefix_cache=pc, max_sessions=2 * G + 2)
+    cold = InferenceEngine(model, prefill_mode="ced", max_sessions=2 * G + 2)
+
+    hot.prefill([hot.start(prompt[:-1])])
+    fed = hot.stats["tokens_fed"]
+    samples = [hot.start(prompt) for _ in range(G)]
+    assert pc.counters["window_hit"] == G
+    got = hot.generate(samples, n_new, **kw)
+    assert hot.stats["tokens_fed"] - fed == G * n_new  # one prompt token per sample, then the decode steps
+    ref_sids = [cold.start(prompt[:-1]) for _ in range(G)]
+    cold.prefill(ref_sids)
+    for s in ref_sids:
+        cold.extend(s, prompt[-1:])
+    want = cold.generate(ref_sids, n_new, **kw)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert [g.logprobs for g in got] == [g.logprobs for g in want]
+
+    # a later turn: the conversation so far (prompt, a sample's answer, a tool result) as a fresh session
+    conversation = prompt + got[0].token_ids + turn
+    hits = pc.counters["window_hit"]
+    again = hot.start(conversation)
+    assert pc.counters["window_hit"] == hits + 1
+    got2 = hot.generate([again], n_new, temperature=1.0, stop_ids=(), seed=5)[0]
+    ref = cold.start(prompt[:-1])  # the stored state of `prompt` came from the samples' feeds
+    cold.prefill([ref])
+    cold.extend(ref, prompt[-1:])
+    cold.prefill([ref])
+    cold.extend(ref, got[0].token_ids + turn)
+    want2 = cold.generate([ref], n_new, temperature=1.0, stop_ids=(), seed=5)[0]
+    assert (got2.token_ids, got2.logprobs) == (want2.token_ids, want2.logprobs)
+    assert hot.tokens(again) == cold.tokens(ref)
