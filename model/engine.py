@@ -14,16 +14,17 @@ last, each step feeding every row's newest token in ONE forward (`RaggedBatch.de
 replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, one device-to-host copy of the sampled
 tokens per step), and a session that stops leaves the batch between steps with its cache. A
 generate call whose sessions lack only their newest token starts with such a decode step. CED
-prefill (model/ced.py) runs per group of sessions at the same position with the same count
-(caches stacked and split back), as does speculative verification. Results do not depend on the
-batching beyond fp32 rounding (each session samples from its own generator).
+prefill (model/ced.py `ced_prefill_ragged`) is ragged too: every session's unfed tokens, whatever
+their positions and counts, in ragged encoder steps and one decoder replay. Speculative verification
+runs per group of sessions at the same position (caches stacked and split back). Results do not
+depend on the batching beyond fp32 rounding (each session samples from its own generator).
 
 Feeding is lazy: `start`/`extend` only record tokens; the next `prefill`/`generate` feeds them (in
 chunks of `prefill_chunk`). The last generated token is fed when the session next advances.
 DSpark speculative decoding: `generate_speculative` (engine built with `speculative=`), the step
 itself in model/speculative.py.
 CED prefill (`prefill_mode="ced"`): each prompt (what a prefill or the start of a generate call feeds)
-goes through model/ced.py; decode steps are the ragged steps above.
+goes through model/ced.py, all sessions' at once; decode steps are the ragged steps above.
 Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix.
 Packed cache storage (`packed_cache=True`, QAT models): the sessions' LayerCaches hold the byte entries
 of model/packed_cache.py (attention.py packs on write, unpacks on read); by default they hold the dense
@@ -40,7 +41,7 @@ from typing import Literal
 import torch
 
 from model.attention import LayerCache
-from model.ced import EngramFn, ced_prefill, check_ced
+from model.ced import EngramFn, ced_prefill_ragged, check_ced
 from model.chat_template import ChatTemplate
 from model.dspark import DSparkCache
 from model.engram import EngramHasher
@@ -173,8 +174,8 @@ class InferenceEngine:
                 raise ValueError("a model with Engram layers needs an engram_hasher or a tokenizer to build one")
             self._hasher = EngramHasher(model.args, self.tokenizer)
         self._sessions: dict[int, _Session] = {}
-        # model calls made, tokens fed (rows x positions), tokens generated, tokens the decoder replayed in
-        # CED prefills (rows x positions): for benches and tests
+        # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
+        # positions), tokens generated, tokens the decoder replayed in CED prefills: for benches and tests
         self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
                       "decode_steps": 0}  # fmt: skip
         self._next_id = 0
@@ -281,21 +282,17 @@ class InferenceEngine:
 
     def _feed(self, sessions: Sequence[_Session]) -> None:
         """Feed every recorded but unfed token of the sessions (each ends a prompt: a prefill, or the
-        first feed of a generate call). CED: one `ced_prefill` per group of sessions at the same
-        position with the same count; else ragged steps of up to prefill_chunk tokens per row over
-        all of them at once (as many rows per forward as _PREFILL_TOKENS padded tokens allow)."""
+        first feed of a generate call), all of them at once whatever their positions and counts:
+        ragged steps of up to prefill_chunk tokens per row (CED: the encoder steps, then one decoder
+        replay for all rows), as many rows per batch as _PREFILL_TOKENS padded tokens allow."""
         todo = [s for s in sessions if s.n_unfed > 0]
-        if self.prefill_mode == "ced":
-            groups: dict[tuple, list[_Session]] = {}
-            for s in todo:
-                groups.setdefault((s.cache.seq_len, s.n_unfed, _signature(s.cache)), []).append(s)
-            for group in groups.values():
-                self._prefill_ced(group)
-            return
+        prefill = self._prefill_ced if self.prefill_mode == "ced" else self._prefill_ragged
         while todo:
             S = min(self.prefill_chunk, max(s.n_unfed for s in todo))
+            if self.prefill_mode == "ced":  # the replay pads every row to the longest segment
+                S = max(S, min(self.model.args.window_size, max(len(s.token_ids) for s in todo)))
             n_rows = max(1, _PREFILL_TOKENS // S)
-            self._prefill_ragged(todo[:n_rows])
+            prefill(todo[:n_rows])
             todo = todo[n_rows:]
 
     @torch.inference_mode()
@@ -336,29 +333,34 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def _prefill_ced(self, group: list[_Session]) -> None:
-        """CED prefill of every unfed token of the sessions of `group` (equal position and count)."""
-        start, n = group[0].cache.seq_len, group[0].n_unfed
-        ids = torch.tensor([s.token_ids[start : start + n] for s in group], dtype=torch.long, device=self.device)
-        cache = group[0].cache if len(group) == 1 else _stack([s.cache for s in group])
-        logits_BV, main_hidden, n_replay = ced_prefill(
-            self.model, ids, start, cache, chunk=self.prefill_chunk,
-            engram_inputs=self._engram_fn([s.token_ids for s in group]),
-        )  # fmt: skip
+        """CED prefill of every unfed token of the sessions of `group` (any positions and counts) as
+        the rows of one RaggedBatch (model/ced.py ced_prefill_ragged)."""
+        chunk = min(self.prefill_chunk, max(s.n_unfed for s in group))
+        slack = max(chunk, self.model.args.window_size)
+        batch = RaggedBatch(self.model, [s.cache for s in group], max(len(s.token_ids) for s in group), slack)
+        n_unfed = [s.n_unfed for s in group]
+
+        def engram_rows(pos: list[int], ids: list[list[int]]) -> dict | None:
+            return self._engram_rows(group, pos, ids)
+
+        try:
+            logits_BV, main_hidden, n_replay = ced_prefill_ragged(
+                self.model, batch, [s.token_ids for s in group], chunk=chunk, engram_rows=engram_rows
+            )  # fmt: skip
+        finally:
+            for s, cache in zip(group, batch.split()):
+                s.cache = cache
         self.stats["forward_calls"] += 1
-        self.stats["tokens_fed"] += ids.numel()
-        self.stats["replay_tokens"] += n_replay * len(group)
-        if len(group) > 1:
-            for i, s in enumerate(group):
-                s.cache = _row(cache, i)
-        if self.speculative is not None and main_hidden is not None:
-            # the drafter's context of the fed tokens: the replayed ones, zeros before the segment
-            main_hidden = main_hidden[:, max(0, main_hidden.size(1) - n) :]
-            main_hidden = torch.nn.functional.pad(main_hidden, (0, 0, n - main_hidden.size(1), 0))
-        for i, s in enumerate(group):
-            s.next_logits = logits_BV[i].clone()
+        self.stats["tokens_fed"] += sum(n_unfed)
+        self.stats["replay_tokens"] += sum(n_replay)
+        for b, s in enumerate(group):
+            s.next_logits = logits_BV[b].clone()
             s.next_version = self.policy_version
             if self.speculative is not None and main_hidden is not None:
-                self._stash_hidden(s, main_hidden[i : i + 1])
+                # the drafter's context of the fed tokens: the replayed ones, zeros before the segment
+                u, k = n_unfed[b], n_replay[b]
+                mh = main_hidden[b : b + 1, :k][:, max(0, k - u) :]
+                self._stash_hidden(s, torch.nn.functional.pad(mh, (0, 0, u - mh.size(1), 0)))
             if self.prefix_cache is not None:
                 self.prefix_cache.store(s.token_ids[: s.cache.seq_len], s.cache)
 
