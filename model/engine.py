@@ -387,6 +387,8 @@ class InferenceEngine:
         stop_strings: Sequence[str] = (),
         seed: int | Sequence[int] | None = None,
         stop_when: Callable[[str], bool] | None = None,
+        admit: Callable[[], Sequence[tuple[int, int | None]]] | None = None,
+        on_finish: Callable[[int, Generation], None] | None = None,
     ) -> list[Generation]:
         """Generate up to `max_new_tokens` per session, all sessions advancing together.
 
@@ -397,6 +399,12 @@ class InferenceEngine:
         int per session or one int from which session k of this call derives its own generator, so a
         session's draws do not depend on which other sessions share the call (None: seeds from
         torch's global RNG).
+        Continuous batching: `admit()`, polled before every decode step, returns (session id, seed or
+        None) of sessions that join the call there (open, not in it yet): their prompts are prefilled
+        in one forward, their first tokens sampled, and they decode in the same forward as the rest
+        from the next step on, with this call's sampling and limits. `on_finish(session_id, gen)` is
+        called as each session stops. Returns the Generations of `session_ids`, then of the joined
+        sessions in the order they joined.
         """
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
@@ -417,19 +425,46 @@ class InferenceEngine:
         max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
         if self.graphs is not None:  # banks sized in steps of _GRAPH_TOKENS: later calls reuse the graphs
             max_tokens = min(self.max_seq_len, -(-max_tokens // _GRAPH_TOKENS) * _GRAPH_TOKENS)
+        sample_args = (gens, temperature, top_p, stops, stop_strings, stop_when, max_new_tokens)
+
+        def sample_step(idx: list[int], logits: torch.Tensor | None) -> list[int]:
+            still = self._sample_step(sessions, outs, idx, *sample_args, logits)
+            if on_finish is not None:
+                for i in sorted(set(idx) - set(still)):
+                    self._finish_text(outs[i])
+                    on_finish(session_ids_all[i], outs[i])
+            return still
+
+        session_ids_all = list(session_ids)
         try:
             if by_decode:
                 batch, rows = self._decode_batch(sessions, active, max_tokens), active
                 logits_BV = self._decode_step(batch, [sessions[i] for i in rows])
             while active:
-                active = self._sample_step(sessions, outs, active, gens, temperature, top_p, stops, stop_strings,
-                                           stop_when, max_new_tokens, logits_BV)  # fmt: skip
+                active = sample_step(active, logits_BV)
                 if batch is not None and len(active) < len(rows):
                     going_on = set(active)
                     gone = [k for k, i in enumerate(rows) if i not in going_on]
                     for k, cache in zip(gone, batch.take(gone)):
                         sessions[rows[k]].cache = cache
                     rows = [i for i in rows if i in going_on]
+                joined = list(admit()) if admit is not None and active else []
+                if joined:  # joiners prefill, draw their first token, and the batch is rebuilt with them
+                    first = len(sessions)
+                    idx = self._join(joined, session_ids_all, sessions, outs, gens)
+                    for i in sorted(set(range(first, len(sessions))) - set(idx)):  # at max_seq_len already
+                        if on_finish is not None:
+                            on_finish(session_ids_all[i], outs[i])
+                    idx = sample_step(idx, None)
+                    if batch is not None:
+                        for i, cache in zip(rows, batch.split()):
+                            sessions[i].cache = cache
+                        batch, rows = None, []
+                    active = active + idx
+                    longest = max(len(sessions[i].token_ids) for i in active) + max_new_tokens
+                    if self.graphs is not None:
+                        longest = -(-longest // _GRAPH_TOKENS) * _GRAPH_TOKENS
+                    max_tokens = min(self.max_seq_len, max(max_tokens, longest))
                 if active:
                     if batch is None:
                         batch, rows = self._decode_batch(sessions, active, max_tokens), active
@@ -438,10 +473,32 @@ class InferenceEngine:
             if batch is not None and rows:
                 for i, cache in zip(rows, batch.split()):
                     sessions[i].cache = cache
-        if self.tokenizer is not None:
-            for out in outs:
-                out.text = self.tokenizer.decode(out.token_ids)
+        for out in outs:
+            self._finish_text(out)
         return outs
+
+    def _finish_text(self, out: Generation) -> None:
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids)
+
+    def _join(self, joined, session_ids: list[int], sessions: list[_Session], outs: list[Generation],
+              gens: list[torch.Generator]) -> list[int]:  # fmt: skip
+        """Add sessions (id, seed) to a running generate call (its lists, in place) and feed their
+        prompts; returns their call indices (those below max_seq_len: the others finish at once)."""
+        ids = [int(sid) for sid, _ in joined]
+        if len(set(ids)) != len(ids) or set(ids) & set(session_ids):
+            raise ValueError(f"sessions {ids} cannot join: a session may appear only once per generate call")
+        seeds = [torch.randint(2**62, ()).item() if seed is None else int(seed) for _, seed in joined]
+        start = len(sessions)
+        for sid, g in zip(ids, self._generators(seeds, len(ids))):
+            s = self._get(sid)
+            session_ids.append(sid)
+            sessions.append(s)
+            outs.append(Generation([], [], "length", "", [], len(s.token_ids)))
+            gens.append(g)
+        idx = [i for i in range(start, len(sessions)) if len(sessions[i].token_ids) < self.max_seq_len]
+        self._feed([sessions[i] for i in idx])
+        return idx
 
     def _sample_step(self, sessions, outs, active, gens, temperature, top_p, stops, stop_strings, stop_when,
                      max_new_tokens, logits_BV=None) -> list[int]:  # fmt: skip
