@@ -15,23 +15,28 @@ covers the whole prompt, so CED equals full-stack prefill exactly (same ops, sam
 Rule for small layer counts: the split follows the config, E = n_layers // 2 (derive_layer_schedule
 puts ratio 2 below it and ratio 1 from it on; debug/tiny: encoder 0-3, decoder 4-7 with bank layer 4).
 `check_ced` refuses configs where the plan is not exact (another decoder kv source, Engram or a
-DSpark target on the wrong side). Not here: sessions and batching (model/engine.py), the training
+DSpark target on the wrong side). `ced_prefill` consumes one start position for every row of a
+cache; `ced_prefill_ragged` runs the same plan over the rows of a model/ragged_cache.py RaggedBatch,
+each at its own position with its own count (the engine's path). Not here: sessions (model/engine.py), the training
 forward over whole trajectories (model/replay.py), prefix-cache tiers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from model.attention import AttnContext, LayerCache, build_incremental_layout
+from model.attention import AttnContext, LayerCache, build_incremental_layout, build_ragged_layout
 from model.config import ModelArgs
+from model.ragged_cache import RaggedBatch
 from model.transformer import ModelCache, Streams, Transformer
 
 EngramFn = Callable[[int, torch.Tensor], dict[str, Any] | None]
+# Engram inputs of a ragged step: (per-row positions, per-row token ids) -> forward_ragged's engram_inputs
+EngramRowsFn = Callable[[list[int], list[list[int]]], dict[str, Any] | None]
 
 
 def check_ced(args: ModelArgs) -> None:
@@ -133,6 +138,78 @@ def ced_prefill(
     return model.head(x_BSD[:, -1].float()), main_hidden, n
 
 
+@torch.inference_mode()
+def ced_prefill_ragged(
+    model: Transformer,
+    batch: RaggedBatch,
+    token_lists: Sequence[Sequence[int]],
+    *,
+    chunk: int,
+    engram_rows: EngramRowsFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """`ced_prefill` of every row of `batch` at once, each at its own position with its own count:
+    row b consumes token_lists[b][batch.pos[b]:] (at least one token). The encoder runs in ragged
+    steps of up to `chunk` tokens per row (one forward per step for all rows, the decoder bank
+    projected from each), then ONE decoder replay covers every row's segment [R_b, N_b), padded to
+    the longest, its window confined to the row's segment. The batch needs slack >= max(chunk,
+    window_size) and caches that remember the encoder output. `engram_rows(pos, ids)`: the Engram
+    inputs of a ragged step (None without Engram layers). Returns (next-token logits [B,V] fp32,
+    DSpark context [B,S,X] of the replayed positions (row b's first n_b) or None, n_b per row)."""
+    a = model.args
+    check_ced(a)
+    W, E, L = a.window_size, a.n_encoder_layers, a.n_layers
+    if batch.cache.encoder_out_len < W:
+        raise ValueError(f"the cache keeps {batch.cache.encoder_out_len} encoder outputs; CED replay needs {W}")
+    if batch.slack < max(chunk, W):
+        raise ValueError(f"a ragged CED prefill needs slack >= max(chunk, window) = {max(chunk, W)}")
+    if any(len(t) <= p for t, p in zip(token_lists, batch.pos)):
+        raise ValueError("every row of a ragged CED prefill needs at least one token to consume")
+    while True:
+        ids = [list(t[p : min(len(t), p + chunk)]) for t, p in zip(token_lists, batch.pos)]
+        if not any(ids):
+            break
+        enc = batch.step(ids, None if engram_rows is None else engram_rows(batch.pos, ids), encoder_only=True)
+        project_decoder_bank(model, enc.streams, enc.ctx, batch.cache.layers[E])
+    dev = model.embed.weight.device
+    N = batch.pos
+    n = [p - replay_start(p, W) for p in N]
+    S, max_end = max(n), max(N)
+    # the replay's input: each row's newest n_b encoder outputs (the ring ends at them), left-aligned
+    h_ring, pre_ring = batch.cache.encoder_h, batch.cache.encoder_pre
+    K = h_ring.size(1)
+    n_B = torch.tensor(n, device=dev)
+    idx_BS = K - n_B[:, None] + torch.minimum(torch.arange(S, device=dev)[None, :], n_B[:, None] - 1)
+    h = h_ring.gather(1, idx_BS[..., None, None].expand(-1, -1, *h_ring.shape[2:]))
+    pre = pre_ring.gather(1, idx_BS[..., None].expand(-1, -1, pre_ring.size(2)))
+    streams = Streams(h, pre)
+    batch.clear_rings(range(E, L))  # the replay rebuilds the decoder windows from the segment only
+    R_B = torch.tensor([p - k for p, k in zip(N, n)], device=dev)
+    layout = build_ragged_layout(
+        R_B, n_B, S, W, batch.cache.layers[E].window_kv.size(1), model.ratios, a.candidate_block_size,
+        {r: max_end // r for r in model.ratios}, batch.bank_slots,
+    )  # fmt: skip
+    # local attention confined to the row's segment (as replay_decoder's window_start)
+    t_BSW = layout.q_pos[..., None] - (W - 1) + torch.arange(W, device=dev)
+    layout.win_idxs = torch.where(t_BSW >= R_B[:, None, None], layout.win_idxs, -1)
+    ctx = model._context(layout, indexer_loss=False, n_pos=max_end + S)
+    ctx.bank_ready = True
+    bank = batch.cache.layers[E]
+    full = bank.compress_kv, bank.index_k
+    bank.compress_kv, bank.index_k = full[0][:, :max_end], full[1][:, :max_end]  # the visible slots
+    try:
+        model.run_layers(streams, range(E, L), ctx, batch.cache.layers, None, None)
+    finally:
+        bank.compress_kv, bank.index_k = full
+    batch.realign(n, S, range(E, L), model_rings=False)
+    # as _pad_decoder_windows: the decoder windows count as many rows as the encoder's (zeros before
+    # the segment, never read by a later query)
+    for i in range(E, L):
+        batch.set_ring_lens(i, "window_kv", batch.ring_lens(0, "window_kv"))
+    x_BSD, main_hidden = model.collapse(streams)
+    logits = model.head(x_BSD[torch.arange(len(n), device=dev), n_B - 1].float())
+    return logits, main_hidden, n
+
+
 @torch.no_grad()
 def full_prefill(
     model: Transformer,
@@ -178,6 +255,6 @@ def decoder_work(prompt_len: int, window: int, n_encoder_layers: int, n_decoder_
 
 
 __all__ = [
-    "check_ced", "ced_prefill", "decoder_work", "full_prefill", "project_decoder_bank", "replay_decoder",
-    "replay_start",
+    "check_ced", "ced_prefill", "ced_prefill_ragged", "decoder_work", "full_prefill", "project_decoder_bank",
+    "replay_decoder", "replay_start",
 ]  # fmt: skip

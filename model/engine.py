@@ -14,16 +14,17 @@ last, each step feeding every row's newest token in ONE forward (`RaggedBatch.de
 replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, one device-to-host copy of the sampled
 tokens per step), and a session that stops leaves the batch between steps with its cache. A
 generate call whose sessions lack only their newest token starts with such a decode step. CED
-prefill (model/ced.py) runs per group of sessions at the same position with the same count
-(caches stacked and split back), as does speculative verification. Results do not depend on the
-batching beyond fp32 rounding (each session samples from its own generator).
+prefill (model/ced.py `ced_prefill_ragged`) is ragged too: every session's unfed tokens, whatever
+their positions and counts, in ragged encoder steps and one decoder replay. Speculative verification
+runs per group of sessions at the same position (caches stacked and split back). Results do not
+depend on the batching beyond fp32 rounding (each session samples from its own generator).
 
 Feeding is lazy: `start`/`extend` only record tokens; the next `prefill`/`generate` feeds them (in
 chunks of `prefill_chunk`). The last generated token is fed when the session next advances.
 DSpark speculative decoding: `generate_speculative` (engine built with `speculative=`), the step
 itself in model/speculative.py.
 CED prefill (`prefill_mode="ced"`): each prompt (what a prefill or the start of a generate call feeds)
-goes through model/ced.py; decode steps are the ragged steps above.
+goes through model/ced.py, all sessions' at once; decode steps are the ragged steps above.
 Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix.
 Routing record (`record_routing=True`): every fed token's MoE experts per backbone layer, for routing
 replay in training (`routing`, model.moe.routing_replay).
@@ -43,7 +44,7 @@ from typing import Literal
 import torch
 
 from model.attention import LayerCache
-from model.ced import EngramFn, ced_prefill, check_ced
+from model.ced import EngramFn, ced_prefill_ragged, check_ced
 from model.chat_template import ChatTemplate
 from model.dspark import DSparkCache
 from model.engram import EngramHasher
@@ -183,8 +184,8 @@ class InferenceEngine:
                 raise ValueError("a model with Engram layers needs an engram_hasher or a tokenizer to build one")
             self._hasher = EngramHasher(model.args, self.tokenizer)
         self._sessions: dict[int, _Session] = {}
-        # model calls made, tokens fed (rows x positions), tokens generated, tokens the decoder replayed in
-        # CED prefills (rows x positions): for benches and tests
+        # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
+        # positions), tokens generated, tokens the decoder replayed in CED prefills: for benches and tests
         self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
                       "decode_steps": 0}  # fmt: skip
         self._next_id = 0
@@ -322,21 +323,17 @@ class InferenceEngine:
 
     def _feed(self, sessions: Sequence[_Session]) -> None:
         """Feed every recorded but unfed token of the sessions (each ends a prompt: a prefill, or the
-        first feed of a generate call). CED: one `ced_prefill` per group of sessions at the same
-        position with the same count; else ragged steps of up to prefill_chunk tokens per row over
-        all of them at once (as many rows per forward as _PREFILL_TOKENS padded tokens allow)."""
+        first feed of a generate call), all of them at once whatever their positions and counts:
+        ragged steps of up to prefill_chunk tokens per row (CED: the encoder steps, then one decoder
+        replay for all rows), as many rows per batch as _PREFILL_TOKENS padded tokens allow."""
         todo = [s for s in sessions if s.n_unfed > 0]
-        if self.prefill_mode == "ced":
-            groups: dict[tuple, list[_Session]] = {}
-            for s in todo:
-                groups.setdefault((s.cache.seq_len, s.n_unfed, _signature(s.cache)), []).append(s)
-            for group in groups.values():
-                self._prefill_ced(group)
-            return
+        prefill = self._prefill_ced if self.prefill_mode == "ced" else self._prefill_ragged
         while todo:
             S = min(self.prefill_chunk, max(s.n_unfed for s in todo))
+            if self.prefill_mode == "ced":  # the replay pads every row to the longest segment
+                S = max(S, min(self.model.args.window_size, max(len(s.token_ids) for s in todo)))
             n_rows = max(1, _PREFILL_TOKENS // S)
-            self._prefill_ragged(todo[:n_rows])
+            prefill(todo[:n_rows])
             todo = todo[n_rows:]
 
     @torch.inference_mode()
@@ -381,52 +378,64 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def _prefill_ced(self, group: list[_Session]) -> None:
-        """CED prefill of every unfed token of the sessions of `group` (equal position and count)."""
-        start, n = group[0].cache.seq_len, group[0].n_unfed
-        ids = torch.tensor([s.token_ids[start : start + n] for s in group], dtype=torch.long, device=self.device)
-        cache = group[0].cache if len(group) == 1 else _stack([s.cache for s in group])
-        with self._recording() as record:
-            logits_BV, main_hidden, n_replay = ced_prefill(
-                self.model, ids, start, cache, chunk=self.prefill_chunk,
-                engram_inputs=self._engram_fn([s.token_ids for s in group]),
-            )  # fmt: skip
+        """CED prefill of every unfed token of the sessions of `group` (any positions and counts) as
+        the rows of one RaggedBatch (model/ced.py ced_prefill_ragged)."""
+        chunk = min(self.prefill_chunk, max(s.n_unfed for s in group))
+        slack = max(chunk, self.model.args.window_size)
+        batch = RaggedBatch(self.model, [s.cache for s in group], max(len(s.token_ids) for s in group), slack)
+        n_unfed = [s.n_unfed for s in group]
+
+        def engram_rows(pos: list[int], ids: list[list[int]]) -> dict | None:
+            return self._engram_rows(group, pos, ids)
+
+        try:
+            with self._recording() as record:
+                logits_BV, main_hidden, n_replay = ced_prefill_ragged(
+                    self.model, batch, [s.token_ids for s in group], chunk=chunk, engram_rows=engram_rows
+                )  # fmt: skip
+        finally:
+            for s, cache in zip(group, batch.split()):
+                s.cache = cache
         if record is not None:
-            self._record_ced(group, record, start, n)
+            self._record_ced(group, record, n_unfed, n_replay, chunk)
         self.stats["forward_calls"] += 1
-        self.stats["tokens_fed"] += ids.numel()
-        self.stats["replay_tokens"] += n_replay * len(group)
-        if len(group) > 1:
-            for i, s in enumerate(group):
-                s.cache = _row(cache, i)
-        if self.speculative is not None and main_hidden is not None:
-            # the drafter's context of the fed tokens: the replayed ones, zeros before the segment
-            main_hidden = main_hidden[:, max(0, main_hidden.size(1) - n) :]
-            main_hidden = torch.nn.functional.pad(main_hidden, (0, 0, n - main_hidden.size(1), 0))
-        for i, s in enumerate(group):
-            s.next_logits = logits_BV[i].clone()
+        self.stats["tokens_fed"] += sum(n_unfed)
+        self.stats["replay_tokens"] += sum(n_replay)
+        for b, s in enumerate(group):
+            s.next_logits = logits_BV[b].clone()
             s.next_version = self.policy_version
             if self.speculative is not None and main_hidden is not None:
-                self._stash_hidden(s, main_hidden[i : i + 1])
+                # the drafter's context of the fed tokens: the replayed ones, zeros before the segment
+                u, k = n_unfed[b], n_replay[b]
+                mh = main_hidden[b : b + 1, :k][:, max(0, k - u) :]
+                self._stash_hidden(s, torch.nn.functional.pad(mh, (0, 0, u - mh.size(1), 0)))
             if self.prefix_cache is not None:
                 self.prefix_cache.store(s.token_ids[: s.cache.seq_len], s.cache)
 
-    def _record_ced(self, group: list[_Session], record: dict, start: int, n: int) -> None:
-        """The routing of a CED prefill of positions [start, start+n): the encoder's over all of them, the
-        decoder's over the replay segment [R, start+n) (rows before start are earlier tokens replayed:
-        they keep what was recorded when they were fed), -1 before it."""
+    def _record_ced(self, group: list[_Session], record: dict, n_unfed: list[int], n_replay: list[int],
+                    chunk: int) -> None:
+        """The routing of a ragged CED prefill in which row b fed its last n_unfed[b] positions: the
+        encoder's over all of them (one record per ragged step, each row's tokens left-aligned in it,
+        min(chunk, what is left) of them per step), the decoder's over the row's replay segment of
+        n_replay[b] positions (left-aligned in the replay; its rows before the new positions are
+        earlier tokens replayed, which keep what was recorded when they were fed), -1 before it."""
         a = self.model.args
         E = a.n_encoder_layers
-        enc = self._routing_BSLK(record, range(E))
+        steps = [torch.stack([record[i][j] for i in range(E)], dim=-2) for j in range(len(record[0]))]
         dec = self._routing_BSLK(record, range(E, a.n_layers))
-        if enc.size(1) != n or dec.size(1) > start + n:
-            raise RuntimeError(f"CED routing record covers {enc.size(1)} encoder / {dec.size(1)} decoder positions "
-                               f"for a prefill of {n} at {start}")  # fmt: skip
-        routing = self._unrecorded(n)[None].repeat(len(group), 1, 1, 1)
-        routing[:, :, :E] = enc
-        m = min(n, dec.size(1))  # the segment's rows at the new positions
-        routing[:, n - m :, E:] = dec[:, dec.size(1) - m :]
         for b, s in enumerate(group):
-            s.routing.append(routing[b])
+            u, k = n_unfed[b], n_replay[b]
+            parts, left = [], u
+            for step in steps:
+                if left <= 0:
+                    break
+                parts.append(step[b, : min(chunk, left)])
+                left -= parts[-1].size(0)
+            routing = self._unrecorded(u)
+            routing[:, :E] = torch.cat(parts).to(torch.int32)
+            m = min(u, k)  # the segment's rows at the new positions
+            routing[u - m :, E:] = dec[b, k - m : k]
+            s.routing.append(routing)
 
     def _engram_fn(self, token_lists: Sequence[Sequence[int]]) -> EngramFn | None:
         """Engram inputs of the rows' tokens at a position, hashed by the engine (None: by the model)."""
@@ -451,6 +460,8 @@ class InferenceEngine:
         stop_strings: Sequence[str] = (),
         seed: int | Sequence[int] | None = None,
         stop_when: Callable[[str], bool] | None = None,
+        admit: Callable[[], Sequence[tuple[int, int | None]]] | None = None,
+        on_finish: Callable[[int, Generation], None] | None = None,
     ) -> list[Generation]:
         """Generate up to `max_new_tokens` per session, all sessions advancing together.
 
@@ -461,6 +472,12 @@ class InferenceEngine:
         int per session or one int from which session k of this call derives its own generator, so a
         session's draws do not depend on which other sessions share the call (None: seeds from
         torch's global RNG).
+        Continuous batching: `admit()`, polled before every decode step, returns (session id, seed or
+        None) of sessions that join the call there (open, not in it yet): their prompts are prefilled
+        in one forward, their first tokens sampled, and they decode in the same forward as the rest
+        from the next step on, with this call's sampling and limits. `on_finish(session_id, gen)` is
+        called as each session stops. Returns the Generations of `session_ids`, then of the joined
+        sessions in the order they joined.
         """
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
@@ -481,19 +498,46 @@ class InferenceEngine:
         max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
         if self.graphs is not None:  # banks sized in steps of _GRAPH_TOKENS: later calls reuse the graphs
             max_tokens = min(self.max_seq_len, -(-max_tokens // _GRAPH_TOKENS) * _GRAPH_TOKENS)
+        sample_args = (gens, temperature, top_p, stops, stop_strings, stop_when, max_new_tokens)
+
+        def sample_step(idx: list[int], logits: torch.Tensor | None) -> list[int]:
+            still = self._sample_step(sessions, outs, idx, *sample_args, logits)
+            if on_finish is not None:
+                for i in sorted(set(idx) - set(still)):
+                    self._finish_text(outs[i])
+                    on_finish(session_ids_all[i], outs[i])
+            return still
+
+        session_ids_all = list(session_ids)
         try:
             if by_decode:
                 batch, rows = self._decode_batch(sessions, active, max_tokens), active
                 logits_BV = self._decode_step(batch, [sessions[i] for i in rows])
             while active:
-                active = self._sample_step(sessions, outs, active, gens, temperature, top_p, stops, stop_strings,
-                                           stop_when, max_new_tokens, logits_BV)  # fmt: skip
+                active = sample_step(active, logits_BV)
                 if batch is not None and len(active) < len(rows):
                     going_on = set(active)
                     gone = [k for k, i in enumerate(rows) if i not in going_on]
                     for k, cache in zip(gone, batch.take(gone)):
                         sessions[rows[k]].cache = cache
                     rows = [i for i in rows if i in going_on]
+                joined = list(admit()) if admit is not None and active else []
+                if joined:  # joiners prefill, draw their first token, and the batch is rebuilt with them
+                    first = len(sessions)
+                    idx = self._join(joined, session_ids_all, sessions, outs, gens)
+                    for i in sorted(set(range(first, len(sessions))) - set(idx)):  # at max_seq_len already
+                        if on_finish is not None:
+                            on_finish(session_ids_all[i], outs[i])
+                    idx = sample_step(idx, None)
+                    if batch is not None:
+                        for i, cache in zip(rows, batch.split()):
+                            sessions[i].cache = cache
+                        batch, rows = None, []
+                    active = active + idx
+                    longest = max(len(sessions[i].token_ids) for i in active) + max_new_tokens
+                    if self.graphs is not None:
+                        longest = -(-longest // _GRAPH_TOKENS) * _GRAPH_TOKENS
+                    max_tokens = min(self.max_seq_len, max(max_tokens, longest))
                 if active:
                     if batch is None:
                         batch, rows = self._decode_batch(sessions, active, max_tokens), active
@@ -502,10 +546,32 @@ class InferenceEngine:
             if batch is not None and rows:
                 for i, cache in zip(rows, batch.split()):
                     sessions[i].cache = cache
-        if self.tokenizer is not None:
-            for out in outs:
-                out.text = self.tokenizer.decode(out.token_ids)
+        for out in outs:
+            self._finish_text(out)
         return outs
+
+    def _finish_text(self, out: Generation) -> None:
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids)
+
+    def _join(self, joined, session_ids: list[int], sessions: list[_Session], outs: list[Generation],
+              gens: list[torch.Generator]) -> list[int]:  # fmt: skip
+        """Add sessions (id, seed) to a running generate call (its lists, in place) and feed their
+        prompts; returns their call indices (those below max_seq_len: the others finish at once)."""
+        ids = [int(sid) for sid, _ in joined]
+        if len(set(ids)) != len(ids) or set(ids) & set(session_ids):
+            raise ValueError(f"sessions {ids} cannot join: a session may appear only once per generate call")
+        seeds = [torch.randint(2**62, ()).item() if seed is None else int(seed) for _, seed in joined]
+        start = len(sessions)
+        for sid, g in zip(ids, self._generators(seeds, len(ids))):
+            s = self._get(sid)
+            session_ids.append(sid)
+            sessions.append(s)
+            outs.append(Generation([], [], "length", "", [], len(s.token_ids)))
+            gens.append(g)
+        idx = [i for i in range(start, len(sessions)) if len(sessions[i].token_ids) < self.max_seq_len]
+        self._feed([sessions[i] for i in idx])
+        return idx
 
     def _sample_step(self, sessions, outs, active, gens, temperature, top_p, stops, stop_strings, stop_when,
                      max_new_tokens, logits_BV=None) -> list[int]:  # fmt: skip

@@ -22,8 +22,10 @@ replay CUDA graphs: the batch's tensors then live in the pool's storage of `capa
 smallest bucket >= the rows; the rest padding rows at position 0), each step's cache updates are
 copied back into that storage inside the graph, one graph per bucket of live rows, reused by later
 batches of the same shapes.
-Not here: CED prefill (model/ced.py runs per group), rollback (`truncate` works on per-session
-caches only, so speculative verification runs on those).
+CED prefill (model/ced.py `ced_prefill_ragged`) runs its encoder steps through `step(encoder_only=True)`
+and its decoder replay on the batch's caches (`clear_rings`, `realign`).
+Not here: rollback (`truncate` works on per-session caches only, so speculative verification runs
+on those).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class RaggedBatch:
                  "encoder_pre": c0.encoder_out_len + rb}  # fmt: skip
         for name in _MODEL_RINGS:
             rows = [getattr(c, name) for c in caches]
-            if any(x is not None for x in rows) or (name == "recent_ids" and a.engram_layer_ids):
+            needed = a.engram_layer_ids if name == "recent_ids" else c0.encoder_out_len  # rows may all be empty
+            if any(x is not None for x in rows) or needed:
                 setattr(self.cache, name, self._ring(-1, name, rows, keeps[name], empty.get(name)))
         for i in range(len(model.layers)):
             src = [c.layers[i] if c.layers else LayerCache(max_rollback=rb, packed=empty["packed"]) for c in caches]
@@ -116,10 +119,18 @@ class RaggedBatch:
         return len(self.pos)
 
     @torch.inference_mode()
-    def step(self, ids: list[list[int]], engram_inputs: dict | None = None, return_main_hidden: bool = False):
+    def step(
+        self,
+        ids: list[list[int]],
+        engram_inputs: dict | None = None,
+        return_main_hidden: bool = False,
+        encoder_only: bool = False,
+    ):
         """Feed row b its tokens ids[b] (none allowed; at most `slack` fewer than the longest row's);
         returns forward_ragged's logits [B,V] after each row's last fed token (undefined for a row fed
-        none), and the DSpark context [B,S,X] with `return_main_hidden` (row b's first len(ids[b]))."""
+        none), and the DSpark context [B,S,X] with `return_main_hidden` (row b's first len(ids[b])).
+        `encoder_only` (CED prefill, model/ced.py): the encoder layers only (`encode_ragged`'s
+        EncoderPass is returned); the decoder layers' rings are left as they were."""
         if self._graphs is not None:
             raise ValueError("a batch on CUDA-graph storage feeds decode steps only: prefill without a pool")
         dev = self.model.embed.weight.device
@@ -131,22 +142,49 @@ class RaggedBatch:
         if any(end // r > s - 1 for r, s in self.slots.items()):
             raise ValueError("a row outgrew the batch's banks: size max_tokens for the longest row")
         x = torch.tensor([row + [0] * (S - len(row)) for row in ids], device=dev)
-        out = self.model.forward_ragged(
+        fed = self.model.encode_ragged if encoder_only else self.model.forward_ragged
+        extra = {} if encoder_only else {"return_main_hidden": return_main_hidden}
+        out = fed(
             x, torch.tensor(self.pos, device=dev), torch.tensor(n, device=dev), self.cache, max_end=end,
-            bank_slots={r: s - 1 for r, s in self.slots.items()}, engram_inputs=engram_inputs,
-            return_main_hidden=return_main_hidden,
+            bank_slots=self.bank_slots, engram_inputs=engram_inputs, **extra,
         )  # fmt: skip
-        if S > min(n):  # drop the padding: shift every ring row right past its pad tokens
-            pad = torch.tensor([S - k for k in n], device=dev)
-            for owner in [self.cache, *self.cache.layers]:
-                for name in _MODEL_RINGS + _LAYER_RINGS:
-                    t = getattr(owner, name, None)
-                    if isinstance(t, torch.Tensor):
-                        setattr(owner, name, _shift_right(t, pad))
+        fed_layers = range(self.model.args.n_encoder_layers if encoder_only else len(self.cache.layers))
+        self.realign(n, S, fed_layers, model_rings=True)
         self.pos = [p + k for p, k in zip(self.pos, n)]
-        for key, (keep, lens) in self.rings.items():
-            self.rings[key] = (keep, [min(m + k, keep) for m, k in zip(lens, n)])
         return out
+
+    def realign(self, n: list[int], S: int, layer_ids: range, model_rings: bool) -> None:
+        """After a call appended S entries (row b's first n[b] real) to the rings of `layer_ids` (and
+        the ModelCache's own with `model_rings`): shift every row right past its padding, so each
+        ring again ends at the row's newest real entry, and count the real entries."""
+        owners = [(i, self.cache.layers[i]) for i in layer_ids] + ([(-1, self.cache)] if model_rings else [])
+        pad = torch.tensor([S - k for k in n], device=self.model.embed.weight.device)
+        for i, owner in owners:
+            for name in _MODEL_RINGS + _LAYER_RINGS:
+                t = getattr(owner, name, None)
+                if not isinstance(t, torch.Tensor) or (i, name) not in self.rings:
+                    continue
+                if S > min(n):
+                    setattr(owner, name, _shift_right(t, pad))
+                keep, lens = self.rings[(i, name)]
+                self.rings[(i, name)] = (keep, [min(m + k, keep) for m, k in zip(lens, n)])
+
+    def clear_rings(self, layer_ids: range) -> None:
+        """Empty the rings of `layer_ids` (all rows): zero entries, none counted (CED replay)."""
+        for i in layer_ids:
+            for name in _LAYER_RINGS:
+                if (i, name) in self.rings:
+                    getattr(self.cache.layers[i], name).zero_()
+                    keep, lens = self.rings[(i, name)]
+                    self.rings[(i, name)] = (keep, [0] * len(lens))
+
+    def ring_lens(self, layer: int, name: str) -> list[int]:
+        """How many real entries each row's ring `name` of layer `layer` (-1: the ModelCache's) holds."""
+        return list(self.rings[(layer, name)][1])
+
+    def set_ring_lens(self, layer: int, name: str, lens: list[int]) -> None:
+        keep, _ = self.rings[(layer, name)]
+        self.rings[(layer, name)] = (keep, [min(m, keep) for m in lens])
 
     @torch.inference_mode()
     def decode(self, ids: list[int], engram_inputs: dict | None = None, return_main_hidden: bool = False):
@@ -383,7 +421,9 @@ def _empty_entries(model: Transformer, packed: bool) -> dict:
     else:
         out = {k: w.new_zeros(1, 0, e) for k, e in dense.items()}
     f32 = w.new_zeros(1, 0, a.head_dim, dtype=torch.float32)
+    hc = a.hc_mult
     return {**out, "raw_kv": f32, "raw_score": f32, "recent_ids": w.new_zeros(1, 0, dtype=torch.long),
+            "encoder_h": w.new_zeros(1, 0, hc, a.dim), "encoder_pre": w.new_zeros(1, 0, hc, dtype=torch.float32),
             "packed": packed}  # fmt: skip
 
 

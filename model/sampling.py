@@ -53,7 +53,13 @@ def _exponential_noise(shape: torch.Size, device: torch.device, generator: Gener
         return torch.empty(shape, device=device).exponential_(generator=generator)
     if len(generator) != shape[0]:
         raise ValueError(f"{len(generator)} generators for {shape[0]} rows")
-    return torch.stack([torch.empty(shape[1:], device=device).exponential_(generator=g) for g in generator])
+    # each row filled in place from its own generator: a contiguous row of V draws consumes the
+    # generator as a fresh [V] tensor would (same numel, same kernel), without a [B,V] stack copy. The
+    # B draws stay B calls: torch has no op drawing rows from several generators' streams.
+    out = torch.empty(shape, device=device)
+    for row, g in zip(out, generator):
+        row.exponential_(generator=g)
+    return out
 
 
 def sample(

@@ -509,11 +509,35 @@ class Transformer(nn.Module):
         engram_inputs as forward_incremental's, required with Engram layers (rows' contexts differ,
         so the caller hashes). With `return_main_hidden`: (logits, DSpark context [B,S,X])."""
         a = self.args
+        enc = self.encode_ragged(input_ids, pos, n_real, cache, max_end=max_end, bank_slots=bank_slots,
+                                 engram_inputs=engram_inputs)  # fmt: skip
+        streams = enc.streams
+        self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), enc.ctx, cache.layers, None, enc.engram_inputs)
+        x_BSD, main_hidden = self.collapse(streams)
+        last = (n_real - 1).clamp(min=0)
+        logits = self.head(x_BSD[torch.arange(input_ids.size(0), device=x_BSD.device), last].float())
+        return (logits, main_hidden) if return_main_hidden else logits
+
+    def encode_ragged(
+        self,
+        input_ids: torch.Tensor,
+        pos: torch.Tensor,
+        n_real: torch.Tensor,
+        cache: ModelCache,
+        *,
+        max_end: int,
+        bank_slots: dict[int, int],
+        engram_inputs: dict[str, Any] | None = None,
+    ) -> EncoderPass:
+        """The first half of `forward_ragged` (arguments as there): the encoder layers over the rows'
+        new tokens, the encoder output remembered when encoder_out_len > 0; the decoder layers'
+        caches are untouched, for the caller to run (forward_ragged) or to replay (CED prefill)."""
+        a = self.args
         if a.engram_layer_ids and engram_inputs is None:
             raise ValueError("forward_ragged needs engram_inputs (make_engram_inputs per row context)")
         engram_inputs = self._engram_inputs(input_ids, None, None, engram_inputs, cache)
         self._remember_ids(cache, input_ids, None)
-        B, S = input_ids.shape
+        S = input_ids.size(1)
         layout = build_ragged_layout(
             pos, n_real, S, a.window_size, cache.layers[0].window_kv.size(1), self.ratios, a.candidate_block_size,
             {r: max_end // r for r in self.ratios}, bank_slots,
@@ -523,11 +547,7 @@ class Transformer(nn.Module):
         self.run_layers(streams, range(a.n_encoder_layers), ctx, cache.layers, None, engram_inputs)
         if cache.encoder_out_len:
             cache.remember_encoder_out(streams.h, streams.pre_mix)
-        self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), ctx, cache.layers, None, engram_inputs)
-        x_BSD, main_hidden = self.collapse(streams)
-        last = (n_real - 1).clamp(min=0)
-        logits = self.head(x_BSD[torch.arange(B, device=x_BSD.device), last].float())
-        return (logits, main_hidden) if return_main_hidden else logits
+        return EncoderPass(streams, ctx, engram_inputs, None)
 
     def encode_incremental(
         self,

@@ -185,3 +185,28 @@ def test_chunked_ragged_prefill(model, template, hasher):
     assert engine.stats["forward_calls"] == 4 + 4  # ceil(30 / 8) prefill steps, then 4 decode steps
     for p, g in zip(prompts, gens):
         _check(g, *_loop(model, hasher, p, 5)[:2])
+
+
+def test_sessions_join_a_running_generate_between_steps(model, template, hasher):
+    """Continuous batching: a session started while a generate call runs joins it at the next step
+    (`admit`), decodes in the same forward as the others from then on, and gets its own loop's
+    tokens; `on_finish` reports each session as it stops."""
+    prompts = [_prompt(n, 140 + n) for n in (5, 12, 19)]
+    engine = InferenceEngine(model, template, max_sessions=4)
+    first = [engine.start(p) for p in prompts[:2]]
+    polls, finished = [], []
+
+    def admit():
+        polls.append(len(polls) + 1)
+        return [(engine.start(prompts[2]), 33)] if len(polls) == 3 else []
+
+    gens = engine.generate(first, 8, temperature=0.9, top_p=0.95, stop_ids=(), seed=[31, 32], admit=admit,
+                           on_finish=lambda sid, g: finished.append((sid, len(g.token_ids))))  # fmt: skip
+    assert len(gens) == 3 and finished == [(first[0], 8), (first[1], 8), (2, 8)]
+    # the joiner's prompt is one more prefill forward; its first token comes from it, its 7 others
+    # from decode steps 3..9, shared with the first two sessions' steps 3..7
+    assert engine.stats["decode_steps"] == 9 and engine.stats["forward_calls"] == 1 + 1 + 9
+    for p, seed, g in zip(prompts, (31, 32, 33), gens):
+        _check(g, *_loop(model, hasher, p, 8, 0.9, 0.95, seed)[:2])
+    with pytest.raises(ValueError, match="only once"):
+        engine.generate([0], 3, stop_ids=(), admit=lambda: [(0, 1)])

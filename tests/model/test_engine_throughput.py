@@ -1,5 +1,6 @@
 """bench/engine_throughput.py's CPU quick mode runs as users run it (a subprocess from the repository
-root) and reports one forward per decode step for sessions of mixed prompt lengths."""
+root) and reports one forward per decode step for sessions of mixed prompt lengths, and one CED
+prefill for all of them."""
 
 import json
 import os
@@ -16,8 +17,9 @@ def test_quick_mode_decodes_mixed_lengths_in_one_forward_per_step():
            "--threads", "1"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [r["sessions"] for r in rows] == [1, 4]
-    mixed = rows[1]
+    assert [(r["sessions"], r["prefill_mode"]) for r in rows] == [(1, "full"), (1, "ced"), (4, "full"), (4, "ced")]
+    mixed = rows[3]
     assert mixed["prompt_lens"][2] > 1, "the quick mode's prompts must have different lengths"
+    assert mixed["prefill_forwards"] == 1  # one ragged CED prefill for every length
     assert all(r["forwards_per_decode_step"] == 1 for r in rows)
     assert all(r["decode_tokens_per_s"] > 0 and r["floor_ms_per_step"] > 0 for r in rows)
