@@ -76,6 +76,42 @@ def lag_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     return {"policy_lag_max": float(max(lags)), "policy_lag_mean": sum(lags) / len(lags)}
 
 
+def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
+    """The inference path of a rollout batch: which features were on (1/0), packed cache bytes per token,
+    CED replay segments per episode, prefix-cache hit rate, DSpark acceptance overall and by (drafter
+    version, policy version) as `dspark_rollout_acceptance/d<drafter>/p<oldest policy version>`."""
+    r = job.rollout
+    out = {"feature_ced": float(r.prefill_mode == "ced"), "feature_prefix_cache": float(r.prefix_cache),
+           "feature_packed_cache": float(r.packed_cache), "feature_speculative": float(r.speculative),
+           "feature_simulate_replay": float(bool(job.trainer.simulate_replay))}  # fmt: skip
+    started = [t for t in trajs if t.rollout_stats]
+    if not started:
+        return out
+    total = Counter()
+    by_version: dict[str, Counter] = {}
+    for t in started:
+        st = t.rollout_stats
+        total.update(st)
+        total["tokens"] += len(t)
+        total["cache_bytes"] += st.get("cache_bytes_per_token", 0.0) * len(t)
+        if "spec_drafted" in st:
+            c = by_version.setdefault(f"dspark_rollout_acceptance/d{t.drafter_version}/p{t.oldest_version}", Counter())
+            c.update(drafted=st["spec_drafted"], accepted=st["spec_accepted"])
+    out["cache_bytes_per_token"] = total["cache_bytes"] / max(total["tokens"], 1)
+    out["replay_segments_per_episode"] = total["replay_segments"] / len(started)
+    lookups = total["prefix_global_hit"] + total["prefix_global_miss"]
+    if lookups:
+        out["prefix_hit_rate"] = total["prefix_global_hit"] / lookups
+    if "spec_drafted" in total:
+        steps = total["spec_steps"] + total["spec_plain_steps"]
+        out["dspark_rollout_drafting_frac"] = total["spec_steps"] / max(steps, 1)
+        out["dspark_rollout_tokens_per_step"] = total["spec_emitted"] / max(total["spec_steps"], 1)
+        if total["spec_drafted"]:
+            out["dspark_rollout_acceptance"] = total["spec_accepted"] / total["spec_drafted"]
+        out |= {k: c["accepted"] / c["drafted"] for k, c in by_version.items() if c["drafted"]}
+    return out
+
+
 def load_tasks(job: JobConfig, progress: bool = True) -> list[dict[str, Any]]:
     """The train split of job.tasks as episode payloads ({"task_id", "env", "task"}: rl/tasks.py)."""
     from rl.tasks import episode_tasks, read
@@ -278,7 +314,8 @@ class AsyncDriver:
             return
         trajs = [t for g in groups for t in g.trajectories]
         self.last_batch = groups
-        info: dict[str, Any] = {"groups": [g.group_id for g in groups], **lag_stats(trajs, self.version)}
+        info: dict[str, Any] = {"groups": [g.group_id for g in groups], **lag_stats(trajs, self.version),
+                                **rollout_stats(trajs, self.job)}  # fmt: skip
         if self.kind == "rl":
             scored = score_groups(groups, self.job.trainer.advantage, self.job.trainer.advantage_eps)
             info.update(scored.stats)
