@@ -109,6 +109,24 @@ class PolicyLossConfig:
 
 
 @dataclass(kw_only=True)
+class AuditConfig:
+    """The online task audit of trainer=rl (rl/audit.py): a task is flagged and held out of sampling when
+    its pass rate over its latest `window` episodes exceeds its earlier one by `jump`, or when its
+    successful episodes (at least `min_successes`) take a median below `short_ratio` × the fewest turns
+    of its verified solver runs."""
+
+    enabled: bool = True
+    window: int = 8
+    jump: float = 0.5
+    short_ratio: float = 0.5
+    min_successes: int = 3
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.min_successes < 1 or not 0 < self.jump <= 1 or not 0 < self.short_ratio <= 1:
+            raise ValueError("trainer.audit needs window >= 1, min_successes >= 1, 0 < jump <= 1, 0 < short_ratio <= 1")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """What the learner optimises and for how long."""
 
@@ -137,6 +155,7 @@ class TrainerConfig:
     init_checkpoint: str | None = None  # rl/opd: start from these weights (a model.safetensors, e.g. of SFT)
     balance_alpha: float = 1e-4
     expert_bias_rate: float = 1e-3
+    audit: AuditConfig = field(default_factory=AuditConfig)  # trainer=rl: online task audit (rl/audit.py)
 
     def __post_init__(self) -> None:
         _require(self.kind, TRAINER_KINDS, "trainer.kind")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.advantages import ADVANTAGE_FNS
+from rl.audit import TaskAudit
 from rl.buffer import TrajectoryBuffer
 from rl.config import JobConfig
 from rl.payloads import Trajectory, TrajectoryGroup
@@ -114,9 +115,16 @@ def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
 
 def load_tasks(job: JobConfig, progress: bool = True) -> list[dict[str, Any]]:
     """The train split of job.tasks as episode payloads ({"task_id", "env", "task"}: rl/tasks.py)."""
+    return load_train_split(job, progress)[0]
+
+
+def load_train_split(job: JobConfig, progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """(episode payloads of the train split, task id -> fewest turns of its verified solver runs)."""
+    from rl.audit import solver_turns
     from rl.tasks import episode_tasks, read
 
-    return episode_tasks(read(job.tasks, job.task_filter, "train", progress=progress).tasks)
+    ts = read(job.tasks, job.task_filter, "train", progress=progress)
+    return episode_tasks(ts.tasks), solver_turns(ts.demos)
 
 
 @dataclass
@@ -141,7 +149,9 @@ class AsyncDriver:
         # starting weights (model.safetensors) when not resuming: the argument, else trainer.init_checkpoint
         self.init_checkpoint = init_checkpoint or job.trainer.init_checkpoint
         r = job.rollout
-        self.tasks = load_tasks(job, progress)
+        self.tasks, solver = load_train_split(job, progress)
+        # trainer=rl: tasks whose rewards look exploited are held out of sampling (rl/audit.py)
+        self.audit = TaskAudit(self.run_dir / "audit.jsonl", job.trainer.audit, solver) if self.kind == "rl" else None
         self.buffer = TrajectoryBuffer(batch_size=r.groups_per_step, max_policy_lag=r.max_policy_lag)
         self.version = 0
         self.next_group = 0
@@ -243,10 +253,23 @@ class AsyncDriver:
     def admit(self) -> None:
         """Start new groups while admission control allows it at the current version."""
         while self.buffer.can_start(self.version):
-            key = f"g{self.next_group:06d}"
-            self.next_group += 1
+            key = f"g{self.next_sampled_group():06d}"
             self.buffer.on_started(key, self.version, {"group": key})
             self.issue(key)
+
+    def next_sampled_group(self) -> int:
+        """The next group number of the prompt stream whose task the audit does not hold (group g's task
+        stays g mod n_tasks, so a re-issued group is the same experiment)."""
+        held = self.audit.held if self.audit is not None else set()
+        for _ in range(len(self.tasks)):
+            g, self.next_group = self.next_group, self.next_group + 1
+            if self.tasks[g % len(self.tasks)]["task_id"] not in held:
+                return g
+        raise RuntimeError(
+            f"the online audit holds every task of tasks={self.job.tasks} ({self.audit.path}): re-check them "
+            "(flashpost-factory inspect, or a re-grade of the gold patch) and return them to sampling with "
+            f"`python -m rl.audit release {self.run_dir} TASK_ID --by inspect`"
+        )
 
     def sync_weights(self, indices: list[int] | None = None) -> None:
         """Publish the learner's weights once (object store) and load them into the workers; a worker
@@ -337,6 +360,10 @@ class AsyncDriver:
         assert int(metrics["step"]) == self.version, (metrics["step"], self.version)
         self.trained += self.train_info.pop("groups")
         self.sync_weights()
+        if self.audit is not None:  # every episode of the update, zero-spread groups too (an exploit passes all)
+            self.audit.refresh()
+            flags = self.audit.observe([t for g in self.last_batch for t in g.trajectories], self.version)
+            self.train_info.update(audit_flagged=float(len(self.audit.held)), audit_new_flags=float(len(flags)))
         now = time.perf_counter()
         record = {**metrics, **self.train_info, "version": float(self.version), "wall_s": now - self.t_start,
                   "rollout_tokens": float(self.rollout_tokens),
