@@ -149,19 +149,31 @@ class LearnerActor:
         return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.learner.model.state_dict().items()}
 
     # ------------------------------------------------------------------ steps
-    def train_rl(self, trajs: list[Trajectory], advantages: list[float]) -> dict[str, float]:
-        """One decoupled-PPO update on kept trajectories and their advantages; π_prox recomputed first."""
+    def train_rl(self, trajs: list[Trajectory], advantages: list[float],
+                 probe: list[Trajectory] | None = None) -> dict[str, float]:  # fmt: skip
+        """One decoupled-PPO update on kept trajectories and their advantages; π_prox recomputed first.
+        `probe`: the step's other (untrained, e.g. zero-spread) trajectories, to measure the train/rollout
+        mismatch on when the trained ones hold no token of the learner's version."""
         t0 = time.perf_counter()
         batches = pack_for_learner(trajs, self.cfg, advantages)
         for b in batches:
             b.old_logprobs = self.learner.logprobs(b)
         # π_prox is the learner at the current version: on tokens sampled at that version it measures the
         # train/rollout mismatch at equal weights for free
-        mismatch = mismatch_means([self._mismatch(b, b.old_logprobs) for b in batches])
-        return self._timed(self.learner.train_step(batches, "rl") | mismatch, batches, t0)
+        sums = [self._mismatch(b, b.old_logprobs) for b in batches]
+        if not any(x["n"] for x in sums) and probe:
+            sums = self._first_batch_mismatch(probe)
+        return self._timed(self.learner.train_step(batches, "rl") | mismatch_means(sums), batches, t0)
 
     def _mismatch(self, batch: TrainBatch, logp: torch.Tensor) -> dict[str, float]:
         return same_version_mismatch(logp.cpu(), batch.logprobs, batch.versions, batch.loss_mask, self.version)
+
+    def _first_batch_mismatch(self, trajs: list[Trajectory]) -> list[dict[str, float]]:
+        """The mismatch on the first micro-batch of `trajs`, one extra no-grad forward, when that micro-batch
+        holds tokens sampled at the learner's version (none otherwise)."""
+        batches = pack_for_learner(trajs, self.cfg)
+        first = batches[0] if batches and bool((batches[0].versions == self.version).any()) else None
+        return [self._mismatch(first, self.learner.logprobs(first))] if first is not None else []
 
     def train_sft(self, trajs: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -174,10 +186,7 @@ class LearnerActor:
         if len(teacher_outputs) != len(batches):
             raise ValueError(f"{len(teacher_outputs)} teacher outputs for {len(batches)} micro-batches")
         teacher_outputs = [_teacher_output_to(o, self.device) for o in teacher_outputs]
-        # the train/rollout mismatch at equal weights: one extra no-grad forward, of the first micro-batch
-        # only, and only when it holds tokens sampled at the learner's version
-        first = batches[0] if batches and bool((batches[0].versions == self.version).any()) else None
-        mismatch = mismatch_means([self._mismatch(first, self.learner.logprobs(first))] if first else [])
+        mismatch = mismatch_means(self._first_batch_mismatch(trajs))  # the train/rollout mismatch, equal weights
         return self._timed(self.learner.train_step(batches, "opd", extras=teacher_outputs) | mismatch, batches, t0)
 
     def train_dspark(self, trajs: list[Trajectory]) -> dict[str, float]:

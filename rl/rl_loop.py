@@ -342,7 +342,10 @@ class AsyncDriver:
         if self.kind == "rl":
             scored = score_groups(groups, self.job.trainer.advantage, self.job.trainer.advantage_eps)
             info.update(scored.stats)
-            self.train_ref = self.learner.train_rl.remote(scored.trajs, scored.advantages)
+            # untrained episodes sampled at the learner's version: where the step's mismatch is measured when
+            # every trained one is older (or none is trained)
+            probe = [t for t in trajs if not t.infra_failed and t.n_generated and t.oldest_version == self.version]
+            self.train_ref = self.learner.train_rl.remote(scored.trajs, scored.advantages, probe[:1])
         else:
             valid = [t for t in trajs if not t.infra_failed]
             info.update(trajectories=float(len(trajs)), infra_failed=float(len(trajs) - len(valid)),
