@@ -189,7 +189,8 @@ class RolloutConfig:
     # whole stack over every position; pairs with trainer.simulate_replay=false);
     prefill_mode: str = "ced"
     # prefix_cache: sessions start from the longest stored prefix (model/prefix_cache.py, banks stored as
-    # packed FP4/MXFP4 bytes under QAT); a group's shared prompt is prefilled once for its G samples;
+    # packed FP4/MXFP4 bytes under QAT); a group's shared prompt is prefilled once for its G samples (an
+    # episode's later turns continue its own session's cache); emptied at each weight load;
     prefix_cache: bool = True
     # packed_cache: live sessions hold their caches as packed bytes (FP8 windows, FP4/MXFP4 banks); the
     # engine refuses it together with the prefix cache (the prefix tiers read dense fields);
