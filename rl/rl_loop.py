@@ -106,7 +106,6 @@ def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
     if "spec_drafted" in total:
         steps = total["spec_steps"] + total["spec_plain_steps"]
         out["dspark_rollout_drafting_frac"] = total["spec_steps"] / max(steps, 1)
-        out["dspark_rollout_tokens_per_step"] = total["spec_emitted"] / max(total["spec_steps"], 1)
         if total["spec_drafted"]:
             out["dspark_rollout_acceptance"] = total["spec_accepted"] / total["spec_drafted"]
         out |= {k: c["accepted"] / c["drafted"] for k, c in by_version.items() if c["drafted"]}

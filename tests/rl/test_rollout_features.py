@@ -82,6 +82,7 @@ def test_rollout_batch_metrics_name_the_features_and_split_acceptance_by_version
     assert out["feature_simulate_replay"] == 1.0 and out["feature_packed_cache"] == 0.0
     assert out["prefix_hit_rate"] == pytest.approx(2 / 3) and out["cache_bytes_per_token"] == 100.0
     assert out["dspark_rollout_acceptance"] == pytest.approx(6 / 10)
+    assert out["dspark_rollout_drafting_frac"] == 0.5
     assert out["dspark_rollout_acceptance/d1/p1"] == 0.5 and out["dspark_rollout_acceptance/d1/p2"] == 1.0
     assert out["dspark_rollout_acceptance/d2/p2"] == 0.0
 
