@@ -23,8 +23,16 @@ from typing import Any
 import torch
 
 from rl.config import EnvConfig, ModelChoice, RolloutConfig, TrainerConfig
+from rl.losses import mismatch_means, same_version_mismatch
 from rl.payloads import TrainBatch, Trajectory, pack_trajectories
-from rl.rollout import RolloutRequest, SamplingParams, SessionBatcher, run_sandbox_episode, run_toy_episode
+from rl.rollout import (
+    RolloutRequest,
+    SamplingParams,
+    SessionBatcher,
+    fresh_prefix_cache,
+    run_sandbox_episode,
+    run_toy_episode,
+)
 
 
 def build_model(choice: ModelChoice, seed: int = 0):
@@ -48,6 +56,29 @@ def pack_for_learner(trajs: list[Trajectory], cfg: TrainerConfig, advantages: li
                      pad_id: int = 0) -> list[TrainBatch]:
     """The one packing shared by the learner and the teacher (their micro-batches must line up)."""
     return pack_trajectories(trajs, max_tokens=cfg.micro_batch_tokens, advantages=advantages, pad_id=pad_id)
+
+
+def build_engine(policy, template, rollout: RolloutConfig, device: torch.device):
+    """The rollout InferenceEngine with the V4.1 inference path switches of `rollout` (rl/config.py)."""
+    from model.engine import InferenceEngine
+    from model.prefix_cache import PrefixCache
+    from model.speculative import SpeculativeConfig
+
+    # packed global banks are exact only on the QAT grid: without QAT the prefix tier stores them dense
+    prefix = PrefixCache(packed=policy.args.qat) if rollout.prefix_cache else None
+    spec = SpeculativeConfig(min_speedup=rollout.spec_min_speedup) if rollout.speculative else None
+    if spec is not None and policy.args.dspark_block_size <= 0:
+        raise ValueError("rollout.speculative=true needs a model with a DSpark drafter (dspark_block_size > 0): "
+                         "set rollout.speculative=false for this model")
+    return InferenceEngine(policy.to(device), template, max_sessions=4096, device=device,
+                           prefill_mode=rollout.prefill_mode, prefix_cache=prefix, speculative=spec,
+                           packed_cache=rollout.packed_cache)  # fmt: skip
+
+
+def _drafter_changed(engine, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether `weights` hold other DSpark drafter (mtp.*) values than the engine's model has now."""
+    current = engine.model.state_dict()
+    return any(not torch.equal(v.to(current[k].device), current[k]) for k, v in weights.items() if k.startswith("mtp."))
 
 
 def _free_port() -> int:
@@ -118,13 +149,31 @@ class LearnerActor:
         return self.version, {k: v.detach().to("cpu", copy=True) for k, v in self.learner.model.state_dict().items()}
 
     # ------------------------------------------------------------------ steps
-    def train_rl(self, trajs: list[Trajectory], advantages: list[float]) -> dict[str, float]:
-        """One decoupled-PPO update on kept trajectories and their advantages; π_prox recomputed first."""
+    def train_rl(self, trajs: list[Trajectory], advantages: list[float],
+                 probe: list[Trajectory] | None = None) -> dict[str, float]:  # fmt: skip
+        """One decoupled-PPO update on kept trajectories and their advantages; π_prox recomputed first.
+        `probe`: the step's other (untrained, e.g. zero-spread) trajectories, to measure the train/rollout
+        mismatch on when the trained ones hold no token of the learner's version."""
         t0 = time.perf_counter()
         batches = pack_for_learner(trajs, self.cfg, advantages)
         for b in batches:
             b.old_logprobs = self.learner.logprobs(b)
-        return self._timed(self.learner.train_step(batches, "rl"), batches, t0)
+        # π_prox is the learner at the current version: on tokens sampled at that version it measures the
+        # train/rollout mismatch at equal weights for free
+        sums = [self._mismatch(b, b.old_logprobs) for b in batches]
+        if not any(x["n"] for x in sums) and probe:
+            sums = self._first_batch_mismatch(probe)
+        return self._timed(self.learner.train_step(batches, "rl") | mismatch_means(sums), batches, t0)
+
+    def _mismatch(self, batch: TrainBatch, logp: torch.Tensor) -> dict[str, float]:
+        return same_version_mismatch(logp.cpu(), batch.logprobs, batch.versions, batch.loss_mask, self.version)
+
+    def _first_batch_mismatch(self, trajs: list[Trajectory]) -> list[dict[str, float]]:
+        """The mismatch on the first micro-batch of `trajs`, one extra no-grad forward, when that micro-batch
+        holds tokens sampled at the learner's version (none otherwise)."""
+        batches = pack_for_learner(trajs, self.cfg)
+        first = batches[0] if batches and bool((batches[0].versions == self.version).any()) else None
+        return [self._mismatch(first, self.learner.logprobs(first))] if first is not None else []
 
     def train_sft(self, trajs: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -137,7 +186,8 @@ class LearnerActor:
         if len(teacher_outputs) != len(batches):
             raise ValueError(f"{len(teacher_outputs)} teacher outputs for {len(batches)} micro-batches")
         teacher_outputs = [_teacher_output_to(o, self.device) for o in teacher_outputs]
-        return self._timed(self.learner.train_step(batches, "opd", extras=teacher_outputs), batches, t0)
+        mismatch = mismatch_means(self._first_batch_mismatch(trajs))  # the train/rollout mismatch, equal weights
+        return self._timed(self.learner.train_step(batches, "opd", extras=teacher_outputs) | mismatch, batches, t0)
 
     def train_dspark(self, trajs: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -167,13 +217,10 @@ class RolloutWorker:
     their episodes share one batched engine. Weights arrive by version (`set_weights`)."""
 
     def __init__(self, model: ModelChoice, rollout: RolloutConfig, env: EnvConfig | None = None, index: int = 0):
-        from model.engine import InferenceEngine
-
         torch.set_num_threads(rollout.threads_per_worker)
         policy, self.template = build_model(model, seed=0)  # placeholder values until the first set_weights
-        device = actor_device()
-        self.engine = InferenceEngine(policy.to(device), self.template, max_sessions=4096, device=device,
-                                      prefill_mode=rollout.prefill_mode)  # fmt: skip
+        self.engine = build_engine(policy, self.template, rollout, actor_device())
+        self.drafter_version = -1  # the policy version whose weights changed the DSpark drafter last
         sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
                                   max_new_tokens=rollout.max_new_tokens)
         self._lock = None  # asyncio.Lock of the actor's event loop: engine access, weight loads
@@ -203,10 +250,17 @@ class RolloutWorker:
 
     async def set_weights(self, payload: tuple[int, dict[str, torch.Tensor]]) -> int:
         version, weights = payload
+        if self.engine.speculative is not None and (self.drafter_version < 0 or _drafter_changed(self.engine, weights)):
+            self.drafter_version = version
         if self.served is not None:
             import asyncio
 
-            await asyncio.to_thread(self.served[0].loop.load_weights, weights, version)
+            def load(engine) -> None:  # in the server's engine thread, between two engine calls
+                engine.load_state_dict(weights, version)
+                if engine.prefix_cache is not None:  # its states were computed under the old weights
+                    engine.prefix_cache = fresh_prefix_cache(engine.prefix_cache)
+
+            await asyncio.to_thread(lambda: self.served[0].loop.call(load).result())
             self.version = version
             return version
         await SessionBatcher(self.engine, self._sampling, lock=self._engine_lock()).load_weights(weights, version)
@@ -232,6 +286,7 @@ class RolloutWorker:
         seconds = time.perf_counter() - t0
         for t in trajs:
             t.engine_version = f"worker{self.index}"
+            t.drafter_version = self.drafter_version
             t.timings["group_s"] = seconds
         self.n_episodes += len(trajs)
         return list(trajs)

@@ -109,6 +109,24 @@ class PolicyLossConfig:
 
 
 @dataclass(kw_only=True)
+class AuditConfig:
+    """The online task audit of trainer=rl (rl/audit.py): a task is flagged and held out of sampling when
+    its pass rate over its latest `window` episodes exceeds its earlier one by `jump`, or when its
+    successful episodes (at least `min_successes`) take a median below `short_ratio` × the fewest turns
+    of its verified solver runs."""
+
+    enabled: bool = True
+    window: int = 8
+    jump: float = 0.5
+    short_ratio: float = 0.5
+    min_successes: int = 3
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.min_successes < 1 or not 0 < self.jump <= 1 or not 0 < self.short_ratio <= 1:
+            raise ValueError("trainer.audit needs window >= 1, min_successes >= 1, 0 < jump <= 1, 0 < short_ratio <= 1")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """What the learner optimises and for how long."""
 
@@ -128,13 +146,16 @@ class TrainerConfig:
     opd_chunk_size: int = 4096
     indexer_loss_weight: float = 1.0
     dspark_weight: float = 1.0  # DSpark drafter alignment, added in every trainer (0 = drafter frozen)
-    simulate_replay: bool = False  # training forward with model/'s simulated decoder replay
+    # training forward with model/'s simulated decoder replay of each turn's CED prefill, so the learner's
+    # log-probs are the rollout's; None: follows rollout.prefill_mode for rl/opd (JobConfig), off otherwise
+    simulate_replay: bool | None = None
     teacher_ship: str = "hidden"  # OPD: the teacher returns "hidden" states + its head, or full "logits"
     teacher_seed: int = 1  # OPD teacher weights when no teacher_checkpoint is given
     teacher_checkpoint: str | None = None
     init_checkpoint: str | None = None  # rl/opd: start from these weights (a model.safetensors, e.g. of SFT)
     balance_alpha: float = 1e-4
     expert_bias_rate: float = 1e-3
+    audit: AuditConfig = field(default_factory=AuditConfig)  # trainer=rl: online task audit (rl/audit.py)
 
     def __post_init__(self) -> None:
         _require(self.kind, TRAINER_KINDS, "trainer.kind")
@@ -163,7 +184,21 @@ class RolloutConfig:
     max_turns: int = 4
     seed: int = 0
     threads_per_worker: int = 1
-    prefill_mode: str = "full"  # the engine's prefill: "ced" (encoder/decoder, bounded replay) or "full"
+    # The V4.1 inference path of the rollout engine (model/engine.py), each a switch for ablation:
+    # prefill_mode "ced": every turn's prompt through CED prefill with decoder bounded replay ("full": the
+    # whole stack over every position; pairs with trainer.simulate_replay=false);
+    prefill_mode: str = "ced"
+    # prefix_cache: sessions start from the longest stored prefix (model/prefix_cache.py, banks stored as
+    # packed FP4/MXFP4 bytes under QAT); a group's shared prompt is prefilled once for its G samples (an
+    # episode's later turns continue its own session's cache); emptied at each weight load;
+    prefix_cache: bool = True
+    # packed_cache: live sessions hold their caches as packed bytes (FP8 windows, FP4/MXFP4 banks); the
+    # engine refuses it together with the prefix cache (the prefix tiers read dense fields);
+    packed_cache: bool = False
+    # speculative: DSpark speculative decoding (engine.generate_speculative), the draft length scheduled
+    # by the measured cost model, switched off per session while it measures a loss;
+    speculative: bool = True
+    spec_min_speedup: float = 1.0  # model.speculative.SpeculativeConfig.min_speedup
     # "engine": episodes call the worker's engine in-process; "server": the worker serves its engine with
     # flashpost-serve on loopback and the episodes reach it only through the OpenAI API (rl/serve_rollout.py)
     agent: str = "engine"
@@ -171,6 +206,12 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _require(self.agent, ("engine", "server"), "rollout.agent")
         _require(self.prefill_mode, ("ced", "full"), "rollout.prefill_mode")
+        if self.prefix_cache and self.prefill_mode != "ced":
+            raise ValueError("rollout.prefix_cache=true needs rollout.prefill_mode=ced (only CED states are cached); "
+                             "set rollout.prefix_cache=false with prefill_mode=full")
+        if self.prefix_cache and self.packed_cache:
+            raise ValueError("rollout.packed_cache=true and rollout.prefix_cache=true together are refused by the "
+                             "engine (the prefix tiers store dense cache fields): turn one of them off")
         if self.max_policy_lag < 0:
             raise ValueError("rollout.max_policy_lag must be >= 0 (0 = synchronous)")
         if not 0.0 < self.top_p <= 1.0:
@@ -232,7 +273,10 @@ class JobConfig:
                 "leave trainer.policy_loss.temperature unset (it follows the rollout)"
             )
         # the learner reproduces the rollout's execution plan: decoder replay on both sides or neither
-        if self.trainer.simulate_replay != (self.rollout.prefill_mode == "ced"):
+        ced = self.rollout.prefill_mode == "ced"
+        if self.trainer.simulate_replay is None:
+            self.trainer.simulate_replay = ced and self.trainer.kind in ("rl", "opd")
+        elif self.trainer.kind in ("rl", "opd") and self.trainer.simulate_replay != ced:
             raise ValueError(
                 f"trainer.simulate_replay={self.trainer.simulate_replay} needs rollout.prefill_mode="
                 f"{'ced' if self.trainer.simulate_replay else 'full'} (got {self.rollout.prefill_mode!r}): the "

@@ -137,6 +137,29 @@ def policy_loss(
 
 
 # ---------------------------------------------------------------------- full-vocabulary OPD
+def same_version_mismatch(logp_learner: torch.Tensor, logp_rollout: torch.Tensor, versions: torch.Tensor,
+                          mask: torch.Tensor, version: int) -> dict[str, float]:  # fmt: skip
+    """Train/rollout mismatch at equal weights: over the generated tokens that were sampled at policy
+    `version` (the learner's current one), Σ|log π_learner − log μ|, Σ k3 (estimator of KL(μ‖π_learner)
+    on μ's samples) and their count. Sums, so micro-batches add up; `mismatch_means` turns them into means.
+    Nonzero only through what differs between the engine's and the learner's forward (execution plan,
+    kernels, rounding): the reference number for trainer.simulate_replay."""
+    sel = mask.bool() & (versions == version)
+    d = (logp_learner.detach() - logp_rollout.detach())[sel].double()
+    return {"n": float(sel.sum()), "abs": float(d.abs().sum()), "k3": float((d.exp() - 1.0 - d).sum())}
+
+
+def mismatch_means(sums: list[dict[str, float]]) -> dict[str, float]:
+    """`same_version_mismatch` sums -> {same_version_abs_dlogp, same_version_k3, same_version_tokens}
+    (the means only when some token was sampled at the learner's version)."""
+    n = sum(x["n"] for x in sums)
+    out = {"same_version_tokens": n}
+    if n:
+        out |= {"same_version_abs_dlogp": sum(x["abs"] for x in sums) / n,
+                "same_version_k3": sum(x["k3"] for x in sums) / n}  # fmt: skip
+    return out
+
+
 def _chunk_logits(x: torch.Tensor, head: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
     """Logits of vocabulary slice [lo, hi): from logits x [N,V], or hidden x [N,D] @ head[lo:hi].T."""
     if head is None:

@@ -27,7 +27,12 @@ class Trajectory:
     verifier        dict             the verifier's report (JSON-serialisable)
     task_id, group_id               group_id identifies the GRPO group (same prompt, several samples)
     infra_failed    bool             sandbox crash / set-up timeout: excluded from group statistics
-    seed, engine_version, drafter_version, timings   what is needed to replay the rollout offline
+    seed, engine_version, timings   what is needed to replay the rollout offline
+    drafter_version int              version of the DSpark drafter weights loaded when the episode ended
+                                     (the last weights that drafted it; -1: not drafted speculatively)
+    rollout_stats   dict[str, float] what the inference path did for the episode (rl/rollout.py
+                                     TokenPolicy.engine_stats: cache bytes, replay segments, prefix-cache
+                                     lookups, DSpark drafts/acceptances)
     demo            bool             a demonstration (SFT data): loss-mask tokens need no log-prob/version
     transcript      list[dict]       the conversation in chat-template form (assistant turns carry their
                                      generated `token_ids`): rendering it gives token_ids back exactly
@@ -47,6 +52,7 @@ class Trajectory:
     engine_version: str = ""
     drafter_version: int = -1
     timings: dict[str, float] = field(default_factory=dict)
+    rollout_stats: dict[str, float] = field(default_factory=dict)
     demo: bool = False
     transcript: list[dict[str, Any]] = field(default_factory=list)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.advantages import ADVANTAGE_FNS
+from rl.audit import TaskAudit
 from rl.buffer import TrajectoryBuffer
 from rl.config import JobConfig
 from rl.payloads import Trajectory, TrajectoryGroup
@@ -76,11 +77,53 @@ def lag_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     return {"policy_lag_max": float(max(lags)), "policy_lag_mean": sum(lags) / len(lags)}
 
 
+def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
+    """The inference path of a rollout batch: which features were on (1/0), packed cache bytes per token,
+    CED replay segments per episode, prefix-cache hit rate, DSpark acceptance overall and by (drafter
+    version, policy version) as `dspark_rollout_acceptance/d<drafter>/p<oldest policy version>`."""
+    r = job.rollout
+    out = {"feature_ced": float(r.prefill_mode == "ced"), "feature_prefix_cache": float(r.prefix_cache),
+           "feature_packed_cache": float(r.packed_cache), "feature_speculative": float(r.speculative),
+           "feature_simulate_replay": float(bool(job.trainer.simulate_replay))}  # fmt: skip
+    started = [t for t in trajs if t.rollout_stats]
+    if not started:
+        return out
+    total = Counter()
+    by_version: dict[str, Counter] = {}
+    for t in started:
+        st = t.rollout_stats
+        total.update(st)
+        total["tokens"] += len(t)
+        total["cache_bytes"] += st.get("cache_bytes_per_token", 0.0) * len(t)
+        if "spec_drafted" in st:
+            c = by_version.setdefault(f"dspark_rollout_acceptance/d{t.drafter_version}/p{t.oldest_version}", Counter())
+            c.update(drafted=st["spec_drafted"], accepted=st["spec_accepted"])
+    out["cache_bytes_per_token"] = total["cache_bytes"] / max(total["tokens"], 1)
+    out["replay_segments_per_episode"] = total["replay_segments"] / len(started)
+    lookups = total["prefix_global_hit"] + total["prefix_global_miss"]
+    if lookups:
+        out["prefix_hit_rate"] = total["prefix_global_hit"] / lookups
+    if "spec_drafted" in total:
+        steps = total["spec_steps"] + total["spec_plain_steps"]
+        out["dspark_rollout_drafting_frac"] = total["spec_steps"] / max(steps, 1)
+        if total["spec_drafted"]:
+            out["dspark_rollout_acceptance"] = total["spec_accepted"] / total["spec_drafted"]
+        out |= {k: c["accepted"] / c["drafted"] for k, c in by_version.items() if c["drafted"]}
+    return out
+
+
 def load_tasks(job: JobConfig, progress: bool = True) -> list[dict[str, Any]]:
     """The train split of job.tasks as episode payloads ({"task_id", "env", "task"}: rl/tasks.py)."""
+    return load_train_split(job, progress)[0]
+
+
+def load_train_split(job: JobConfig, progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """(episode payloads of the train split, task id -> fewest turns of its verified solver runs)."""
+    from rl.audit import solver_turns
     from rl.tasks import episode_tasks, read
 
-    return episode_tasks(read(job.tasks, job.task_filter, "train", progress=progress).tasks)
+    ts = read(job.tasks, job.task_filter, "train", progress=progress)
+    return episode_tasks(ts.tasks), solver_turns(ts.demos)
 
 
 @dataclass
@@ -105,7 +148,9 @@ class AsyncDriver:
         # starting weights (model.safetensors) when not resuming: the argument, else trainer.init_checkpoint
         self.init_checkpoint = init_checkpoint or job.trainer.init_checkpoint
         r = job.rollout
-        self.tasks = load_tasks(job, progress)
+        self.tasks, solver = load_train_split(job, progress)
+        # trainer=rl: tasks whose rewards look exploited are held out of sampling (rl/audit.py)
+        self.audit = TaskAudit(self.run_dir / "audit.jsonl", job.trainer.audit, solver) if self.kind == "rl" else None
         self.buffer = TrajectoryBuffer(batch_size=r.groups_per_step, max_policy_lag=r.max_policy_lag)
         self.version = 0
         self.next_group = 0
@@ -207,10 +252,23 @@ class AsyncDriver:
     def admit(self) -> None:
         """Start new groups while admission control allows it at the current version."""
         while self.buffer.can_start(self.version):
-            key = f"g{self.next_group:06d}"
-            self.next_group += 1
+            key = f"g{self.next_sampled_group():06d}"
             self.buffer.on_started(key, self.version, {"group": key})
             self.issue(key)
+
+    def next_sampled_group(self) -> int:
+        """The next group number of the prompt stream whose task the audit does not hold (group g's task
+        stays g mod n_tasks, so a re-issued group is the same experiment)."""
+        held = self.audit.held if self.audit is not None else set()
+        for _ in range(len(self.tasks)):
+            g, self.next_group = self.next_group, self.next_group + 1
+            if self.tasks[g % len(self.tasks)]["task_id"] not in held:
+                return g
+        raise RuntimeError(
+            f"the online audit holds every task of tasks={self.job.tasks} ({self.audit.path}): re-check them "
+            "(flashpost-factory inspect, or a re-grade of the gold patch) and return them to sampling with "
+            f"`python -m rl.audit release {self.run_dir} TASK_ID --by inspect`"
+        )
 
     def sync_weights(self, indices: list[int] | None = None) -> None:
         """Publish the learner's weights once (object store) and load them into the workers; a worker
@@ -278,11 +336,15 @@ class AsyncDriver:
             return
         trajs = [t for g in groups for t in g.trajectories]
         self.last_batch = groups
-        info: dict[str, Any] = {"groups": [g.group_id for g in groups], **lag_stats(trajs, self.version)}
+        info: dict[str, Any] = {"groups": [g.group_id for g in groups], **lag_stats(trajs, self.version),
+                                **rollout_stats(trajs, self.job)}  # fmt: skip
         if self.kind == "rl":
             scored = score_groups(groups, self.job.trainer.advantage, self.job.trainer.advantage_eps)
             info.update(scored.stats)
-            self.train_ref = self.learner.train_rl.remote(scored.trajs, scored.advantages)
+            # untrained episodes sampled at the learner's version: where the step's mismatch is measured when
+            # every trained one is older (or none is trained)
+            probe = [t for t in trajs if not t.infra_failed and t.n_generated and t.oldest_version == self.version]
+            self.train_ref = self.learner.train_rl.remote(scored.trajs, scored.advantages, probe[:1])
         else:
             valid = [t for t in trajs if not t.infra_failed]
             info.update(trajectories=float(len(trajs)), infra_failed=float(len(trajs) - len(valid)),
@@ -300,6 +362,10 @@ class AsyncDriver:
         assert int(metrics["step"]) == self.version, (metrics["step"], self.version)
         self.trained += self.train_info.pop("groups")
         self.sync_weights()
+        if self.audit is not None:  # every episode of the update, zero-spread groups too (an exploit passes all)
+            self.audit.refresh()
+            flags = self.audit.observe([t for g in self.last_batch for t in g.trajectories], self.version)
+            self.train_info.update(audit_flagged=float(len(self.audit.held)), audit_new_flags=float(len(flags)))
         now = time.perf_counter()
         record = {**metrics, **self.train_info, "version": float(self.version), "wall_s": now - self.t_start,
                   "rollout_tokens": float(self.rollout_tokens),

@@ -67,7 +67,32 @@ class SessionBatcher:
         self._pending: list[tuple[int, int, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._warmed: set[tuple[int, ...]] = set()
         self.tokens_generated = 0
+
+    async def start(self, prompt_ids: list[int]) -> tuple[int, dict[str, float]]:
+        """Open a session on a prompt -> (session id, its prefix-cache lookup counts). With the engine's
+        prefix cache the first session of a prompt in this batcher prefills all but its last token once
+        and stores that state, so the group's other samples restore it and feed one token each: the shared
+        prompt is prefilled once (a lookup leaves at least one token to feed)."""
+        cache = self.engine.prefix_cache
+        async with self.lock:  # sessions change only between batched generate calls
+            if cache is None:
+                return self.engine.start(prompt_ids), {}
+            key = tuple(prompt_ids[:-1])
+            if len(prompt_ids) > 1 and key not in self._warmed:
+                self._warmed.add(key)
+                await asyncio.to_thread(self._warm, list(key))
+            before = dict(cache.counters)
+            sid = self.engine.start(prompt_ids)
+        return sid, {f"prefix_{k}": float(cache.counters[k] - before[k]) for k in ("global_hit", "global_miss")}
+
+    def _warm(self, ids: list[int]) -> None:
+        sid = self.engine.start(ids)
+        try:
+            self.engine.prefill([sid])
+        finally:
+            self.engine.close(sid)
 
     def register(self) -> None:
         self.n_active += 1
@@ -85,8 +110,11 @@ class SessionBatcher:
         return await fut
 
     async def load_weights(self, weights: dict, version: int) -> None:
+        """New policy weights; the prefix cache starts empty (its states were computed under the old ones)."""
         async with self.lock:
             await asyncio.to_thread(self.engine.load_state_dict, weights, version)
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache = fresh_prefix_cache(self.engine.prefix_cache)
 
     async def _loop(self) -> None:
         while self.n_active > 0 or self._pending:
@@ -103,9 +131,11 @@ class SessionBatcher:
             batch, self._pending = self._pending, []
             s = self.sampling
             try:
+                # DSpark speculation when the engine has it: same contract and distribution as generate
+                generate = self.engine.generate if self.engine.speculative is None else self.engine.generate_speculative
                 async with self.lock:
                     gens = await asyncio.to_thread(
-                        self.engine.generate, [b[0] for b in batch], s.max_new_tokens, s.temperature, s.top_p,
+                        generate, [b[0] for b in batch], s.max_new_tokens, s.temperature, s.top_p,
                         None, (), [b[1] for b in batch],
                     )  # fmt: skip
             except Exception as e:  # every waiter learns why; the episodes turn it into an error
@@ -117,6 +147,13 @@ class SessionBatcher:
                 self.tokens_generated += len(g.token_ids)
                 if not fut.done():
                     fut.set_result(g)
+
+
+def fresh_prefix_cache(old):
+    """An empty PrefixCache with `old`'s settings (in memory: a rollout's states live for one version)."""
+    from model.prefix_cache import PrefixCache
+
+    return PrefixCache(packed=old.packed, window_ttl_s=old.window_ttl_s, clock=old.clock)
 
 
 # ---------------------------------------------------------------------- the policy of one episode
@@ -137,6 +174,7 @@ class TokenPolicy:
         self.messages: list[dict[str, Any]] = []
         self.turn_starts: list[int] = []
         self.generations: list[Generation] = []
+        self.prefix_counts: dict[str, float] = {}
         self._n_seen = 0
 
     @property
@@ -150,11 +188,11 @@ class TokenPolicy:
 
     async def __call__(self, messages: Sequence[Any]) -> str:
         new = [_as_template_message(m) for m in messages[self._n_seen :]]
-        async with self.batcher.lock:  # sessions change only between batched generate calls
-            if self.session is None:
-                ids = self.template.render(new, tools=self.tools or None, add_generation_prompt=True).token_ids
-                self.session = self.engine.start(ids)
-            else:
+        if self.session is None:
+            ids = self.template.render(new, tools=self.tools or None, add_generation_prompt=True).token_ids
+            self.session, self.prefix_counts = await self.batcher.start(ids)
+        else:
+            async with self.batcher.lock:  # sessions change only between batched generate calls
                 self.engine.extend(self.session, self.template.render_continuation(new).token_ids)
         self.messages += new
         self.turn_starts.append(len(self.engine.tokens(self.session)))
@@ -189,8 +227,22 @@ class TokenPolicy:
         return Trajectory(
             token_ids=tokens, loss_mask=[v is not None for v in versions], logprobs=lps,
             versions=[-1 if v is None else v for v in versions], turn_starts=list(self.turn_starts),
-            task_id=req.task_id, group_id=req.group_id, seed=req.seed, transcript=self.transcript(), **fields,
+            task_id=req.task_id, group_id=req.group_id, seed=req.seed, transcript=self.transcript(),
+            rollout_stats=self.engine_stats(), **fields,
         )  # fmt: skip
+
+    def engine_stats(self) -> dict[str, float]:
+        """What the inference path did for this session: its packed cache bytes per token, CED replay
+        segments (one per prefilled turn), prefix-cache lookups, DSpark drafts and acceptances."""
+        engine, sid = self.engine, self.session
+        n = len(engine.tokens(sid))
+        stats = {"cache_bytes_per_token": sum(engine.cache_bytes(sid).values()) / max(n, 1),
+                 "replay_segments": float(len(self.turn_starts)) if engine.prefill_mode == "ced" else 0.0,
+                 **self.prefix_counts}  # fmt: skip
+        if engine.speculative is not None:
+            spec = engine.speculation_stats(sid)
+            stats |= {f"spec_{k}": float(spec[k]) for k in ("steps", "drafted", "accepted", "emitted", "plain_steps")}
+        return stats
 
 
 # ---------------------------------------------------------------------- episodes
