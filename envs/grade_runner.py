@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shlex
 import signal
 import stat
@@ -604,6 +605,14 @@ def statuses(records):
     return status, conflicts
 
 
+# Characters XML 1.0 cannot hold (a failure message quoting terminal escapes, NUL...), written as \xNN.
+_XML_UNSAFE = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _escape(m):
+    return f"\\x{ord(m.group()):02x}"
+
+
 def junit_xml(status, records):
     """pytest-style JUnit (xunit2 naming, plus a file attribute) built outside the test process."""
     messages = {r["nodeid"]: r["message"] for r in records if r.get("message") and "nodeid" in r}
@@ -617,7 +626,7 @@ def junit_xml(status, records):
                              name=parts[-1], file=parts[0])
         if st in ("failed", "error"):
             tag = "failure" if st == "failed" else "error"
-            ET.SubElement(case, tag, message=st).text = messages.get(nid, "")
+            ET.SubElement(case, tag, message=st).text = _XML_UNSAFE.sub(_escape, messages.get(nid, ""))
         elif st in ("skipped", "xfailed"):
             ET.SubElement(case, "skipped", message=st)
     root = ET.Element("testsuites")

@@ -1,10 +1,12 @@
-"""The library's declared test dependencies (synth/testenv.py) and the repository's pytest
-configuration as the grader passes it on (envs/grade_runner.py), without containers; the same
-against real images is in test_testenv_docker.py."""
+"""The library's declared test dependencies (synth/testenv.py), the repository's pytest
+configuration as the grader passes it on, and the grader's report of a real library's failures
+(envs/grade_runner.py), without containers; the same against real images is in test_testenv_docker.py."""
 
 from __future__ import annotations
 
-from envs.grade_runner import filter_addopts
+import xml.etree.ElementTree as ET
+
+from envs.grade_runner import filter_addopts, junit_xml
 from synth import testenv
 
 
@@ -45,3 +47,12 @@ def test_addopts_keep_only_options_that_select_or_describe_tests():
     # stop early, other process models, loaded plugins, doctests in files the agent edits, coverage, verbosity
     assert dropped == ["-x", "--doctest-modules", "-n", "auto", "-p", "xdist", "tests", "--cov", "lib", "-v", "v"]
     assert filter_addopts(["--import-mode=importlib", "-q"]) == (["--import-mode", "importlib"], ["-q"])
+
+
+def test_the_report_holds_failure_messages_that_quote_terminal_escapes():
+    # click's tests compare styled output: a failure message carries ESC (and may carry NUL), which
+    # XML 1.0 cannot hold; the report must still parse, with the characters written as \xNN
+    xml = junit_xml({"tests/t.py::test_style": "failed", "tests/t.py::test_ok": "passed"},
+                    [{"nodeid": "tests/t.py::test_style", "message": "assert '\x1b[31mred\x1b[0m\x00' == 'red' ü"}])
+    failure = ET.fromstring(xml).find(".//failure")
+    assert failure is not None and failure.text == "assert '\\x1b[31mred\\x1b[0m\\x00' == 'red' ü"
