@@ -426,8 +426,26 @@ _ADDOPTS_KEPT = {  # option -> takes a value
     "--durations": True, "--durations-min": True, "--continue-on-collection-errors": False,
     "--runxfail": False, "--color": True, "--no-header": False, "-p": True,  # -p only as "no:NAME"
 }
-# Plugins of the image's test environment that would change outcomes or the process model.
+# Plugins that would change outcomes or the process model.
 _PLUGINS_SKIPPED = {"xdist", "xdist.looponfail", "randomly", "rerunfailures", "flaky", "cov"}
+
+
+def image_plugins():
+    """The pytest plugins of the image's test environment (its wheels' pytest11 entry points), loaded
+    here, before any workspace path is on sys.path, and handed to pytest as objects: pytest never looks
+    a plugin up by name, so a workspace *.dist-info cannot slip one in ahead of the reporter's checks."""
+    out = []
+    for ep in sorted(importlib.metadata.entry_points(group="pytest11"), key=lambda e: e.name):
+        if ep.name in _PLUGINS_SKIPPED:
+            continue
+        try:
+            out.append(ep.load())
+        except Exception:  # noqa: BLE001 - a plugin that cannot load is left out, not fatal to grading
+            continue
+    return out
+
+
+IMAGE_PLUGINS = image_plugins()
 
 
 def filter_addopts(opts):
@@ -472,9 +490,6 @@ def repo_config_args(workspace):
     args += ["-o", f"addopts={shlex.join(kept)}"]
     if dropped:
         notes.append(f"addopts not used: {' '.join(dropped)}")
-    plugins = sorted({ep.name for ep in importlib.metadata.entry_points(group="pytest11")} - _PLUGINS_SKIPPED)
-    for name in plugins:
-        args += ["-p", name]
     if inipath is not None:
         notes.insert(0, f"pytest configuration: {os.path.relpath(inipath, workspace)}")
     return args, notes
@@ -502,7 +517,7 @@ def run_tests(job, baseline, rec_fd):
             print(f"flashpost: {note}", file=sys.stderr)
         args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, *config,
                 "-q", "--tb=short", *job["test_paths"]]
-        rc = pytest.main(args, plugins=[FlashpostReporter(rec_fd)])
+        rc = pytest.main(args, plugins=[FlashpostReporter(rec_fd), *IMAGE_PLUGINS])
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(rc))

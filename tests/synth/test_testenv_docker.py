@@ -1,8 +1,9 @@
 """A task image's test environment against real containers: the library's declared test
-dependencies are installed into the image's venv (from wheels; the lock kept in the image) and
-nowhere else, and the repository's own pytest configuration is honoured in each of the four places
-pytest reads it from (testpaths, python_functions, markers, pythonpath, conftest, and the addopts
-that keep the report intact; -x dropped, a minversion this pytest cannot meet ignored)."""
+dependencies are installed into the image's venv (from wheels; the lock kept in the image; their
+pytest plugins loaded) and nowhere else, and the repository's own pytest configuration is honoured
+in each of the four places pytest reads it from (testpaths, python_functions, markers, pythonpath,
+conftest, and the addopts that keep the report intact; -x dropped, a minversion this pytest cannot
+meet ignored)."""
 
 from __future__ import annotations
 
@@ -66,10 +67,13 @@ def test_the_repositorys_pytest_configuration_is_honoured(engine_ready, config):
 
 
 def fake_wheel(name: str, version: str, module: str) -> bytes:
+    """A pure wheel whose module is also a pytest plugin (a fixture), as pytest-* test dependencies are."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr(f"{module}/__init__.py", "ANSWER = 42\n")
+        zf.writestr(f"{module}/__init__.py", "import pytest\n\nANSWER = 42\n\n\n@pytest.fixture\n"
+                                             "def one():\n    return 1\n")
         info = f"{name.replace('-', '_')}-{version}.dist-info"
+        zf.writestr(f"{info}/entry_points.txt", f"[pytest11]\n{module} = {module}\n")
         zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         zf.writestr(f"{info}/RECORD", "")
@@ -88,7 +92,7 @@ def test_declared_test_dependencies_are_installed_in_the_venv_only(engine_ready,
                                b'[project.optional-dependencies]\ntest = ["depkit-helper==1.0", "depkit"]\n',
              "depkit/__init__.py": b"def answer():\n    return 41\n",
              "tests/test_answer.py": b"from depkit_helper import ANSWER\n\nfrom depkit import answer\n\n\n"
-                                     b"def test_answer():\n    assert answer() + 1 == ANSWER\n"}
+                                     b"def test_answer(one):\n    assert answer() + one == ANSWER\n"}
     env = testenv.resolve(files)
     assert list(env.wheels) == ["depkit_helper-1.0-py3-none-any.whl"] and env.skipped == {}, env
     image = build_tree_image(files, "flashpost/synth-repo:testenv-deps")
