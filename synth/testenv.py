@@ -247,7 +247,8 @@ def _resolve(reqs: tuple[str, ...], own: str) -> TestEnv:
             data = whl.read_bytes()
             (folder / whl.name).write_bytes(data)
             env.wheels[whl.name] = hashlib.sha256(data).hexdigest()
-    lock.write_text(json.dumps(env.to_dict(), indent=1))
+    if not env.skipped:  # a failure (an index that did not answer) is tried again by the next process
+        lock.write_text(json.dumps(env.to_dict(), indent=1))
     env.wheel_dir = str(folder)
     return env
 
