@@ -3,6 +3,9 @@
   python -m bench.factory --only mutations         mutation finding on a generated module (CPU only)
   python -m bench.factory --repo pypi:NAME==VER --budget 8 --concurrency 2 --out runs/bench-NAME
                                                   one factory build: funnel, wall time, tasks/hour (Docker)
+  python -m bench.factory --only testenv --repo pypi:NAME==VER --tests tests/test_x.py
+                                                  the library's test environment (declared test wheels),
+                                                  and the given test files' outcomes in it (Docker)
 
 `mutations`: seconds per 1,000 lines to parse and index a file once (`SourceIndex`), to query 20 of
 its lines (what the search solver asks per task), and to scan it whole (what specify does per file),
@@ -73,13 +76,36 @@ def bench_build(repo: str, out: str, budget: int, concurrency: int) -> None:
          stage_seconds=result["stage_seconds"], funnel=funnel)
 
 
+def bench_testenv(repo: str, tests: list[str]) -> None:
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    from synth import testenv
+    from synth.stages.build import build_tree_image, repo_files
+    from synth.stages.ingest import fetch_pypi, source_key
+    from synth.testrun import probe_task, run_suite
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = repo_files(fetch_pypi(repo.removeprefix("pypi:"), Path(tmp)) if repo.startswith("pypi:") else repo)
+    files = {k: v for k, v in files.items() if ".egg-info/" not in k}
+    env = testenv.resolve(files)
+    image = build_tree_image(files, f"flashpost/synth-repo:bench-testenv-{source_key(repo)}")
+    run = run_suite(probe_task(image, tests, p2p=tests), "", timeout_s=600)
+    emit("factory_testenv", repo=repo, requirements=env.requirements, skipped=env.skipped, wheels=sorted(env.wheels),
+         tests=tests, outcomes=dict(Counter(s for t, s in run.statuses.items() if t not in tests)),
+         seconds=round(time.monotonic() - t0, 1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=["mutations", "build"], default=None)
+    p.add_argument("--only", choices=["mutations", "build", "testenv"], default=None)
     p.add_argument("--repo", default="")
     p.add_argument("--out", default="runs/bench-factory")
     p.add_argument("--budget", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--tests", nargs="*", default=[], help="test files to run (--only testenv)")
     args = p.parse_args()
     if args.only in (None, "mutations"):
         bench_mutations()
@@ -87,6 +113,10 @@ def main() -> None:
         if not args.repo:
             p.error("--only build needs --repo (a path, git URL or pypi:NAME==VERSION)")
         bench_build(args.repo, args.out, args.budget, args.concurrency)
+    if args.only == "testenv":
+        if not args.repo or not args.tests:
+            p.error("--only testenv needs --repo and --tests")
+        bench_testenv(args.repo, args.tests)
 
 
 if __name__ == "__main__":

@@ -142,15 +142,18 @@ def image_dir_tar(ref: str, path: str = "/workspace") -> bytes:
 
 
 def build_image(base: str, *, files: bytes, dest: str, script: str, env: dict[str, str],
-                repository: str, tag: str, labels: dict[str, str], timeout_s: float = 300) -> str:
+                repository: str, tag: str, labels: dict[str, str], timeout_s: float = 300,
+                user: str | None = None) -> str:
     """Layer a new image on `base` without a registry or Dockerfile: extract the `files` tar at
-    `dest` of a network-less container, run `script` (bash, as the image's user) there, and
-    commit the result as repository:tag with the base's user/workdir and `sleep infinity`.
+    `dest` of a network-less container, run `script` (bash, as `user`, by default the image's
+    user) there, and commit the result as repository:tag with the base's user/workdir and
+    `sleep infinity`.
     Returns the new image id; raises RuntimeError with the script's output if it fails.
     """
     cfg = client().images.get(base).attrs["Config"]
     c = client().containers.create(base, ["bash", "-euc", script], working_dir=dest, network_mode="none",
-                                   environment=env, labels=_labels("build", timeout_s))
+                                   environment=env, labels=_labels("build", timeout_s),
+                                   **({"user": user} if user else {}))
     try:
         put_archive(c.id, dest, files)
         c.start()

@@ -8,7 +8,8 @@ attach socket) and answers one JSON line each on stdout, which no other process 
            checks that git changed only the paths the host allowed and that the changed Python
            adds nothing the static screen (envs/screen.py, sent ahead of this file) refuses,
            restores test files, applies the hidden test patch, appends this run's canary tests
-           to the F2P test modules and runs pytest in-process with a trusted reporter streaming
+           to the F2P test modules and runs pytest in-process (under the repository's own pytest
+           configuration, less what would stop early or change the report) with a trusted reporter streaming
            per-test records over an inherited pipe (console and records capped while they
            stream); this root parent checks the canaries, builds the JUnit XML from the records
            and returns it with the console output and exit code
@@ -23,10 +24,14 @@ Not here: deciding the reward (envs/grading.py cross-checks the three sources).
 """
 
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
+import pathlib
 import random
+import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -37,6 +42,7 @@ import time
 import xml.etree.ElementTree as ET
 
 import _pytest.config
+import _pytest.config.findpaths
 import _pytest.main
 import _pytest.python
 import _pytest.reports
@@ -406,6 +412,89 @@ def prepare(job, baseline):
     return expect
 
 
+# The repository's own pytest configuration (pytest.ini, pyproject.toml, tox.ini, setup.cfg: pytest's
+# own search) is passed as -o overrides with `-c /dev/null`, so keys that would stop this pytest
+# (minversion, required_plugins) or write files (cache_dir, log_file) are left out, and addopts keeps
+# only options that select or describe tests: never ones that stop early, change the report or the
+# process model, load code, or collect tests from files the agent may edit (doctests).
+_INI_SKIPPED = {"minversion", "required_plugins", "cache_dir", "log_file", "log_file_level", "log_file_format",
+                "log_file_date_format", "junit_logging", "addopts"}
+_ADDOPTS_KEPT = {  # option -> takes a value
+    "--strict-markers": False, "--strict-config": False, "--strict": False, "--import-mode": True,
+    "--ignore": True, "--ignore-glob": True, "--deselect": True, "-m": True, "-k": True, "-W": True,
+    "--pythonwarnings": True, "-r": True, "--tb": True, "-l": False, "--showlocals": False,
+    "--durations": True, "--durations-min": True, "--continue-on-collection-errors": False,
+    "--runxfail": False, "--color": True, "--no-header": False, "-p": True,  # -p only as "no:NAME"
+}
+# Plugins that would change outcomes or the process model.
+_PLUGINS_SKIPPED = {"xdist", "xdist.looponfail", "randomly", "rerunfailures", "flaky", "cov"}
+
+
+def image_plugins():
+    """The pytest plugins of the image's test environment (its wheels' pytest11 entry points), loaded
+    here, before any workspace path is on sys.path, and handed to pytest as objects: pytest never looks
+    a plugin up by name, so a workspace *.dist-info cannot slip one in ahead of the reporter's checks."""
+    out = []
+    for ep in sorted(importlib.metadata.entry_points(group="pytest11"), key=lambda e: e.name):
+        if ep.name in _PLUGINS_SKIPPED:
+            continue
+        try:
+            out.append(ep.load())
+        except Exception:  # noqa: BLE001 - a plugin that cannot load is left out, not fatal to grading
+            continue
+    return out
+
+
+IMAGE_PLUGINS = image_plugins()
+
+
+def filter_addopts(opts):
+    """(kept, dropped) options of an addopts value (a string, or a list from pyproject.toml)."""
+    tokens = shlex.split(opts) if isinstance(opts, str) else [str(t) for t in opts]
+    kept, dropped, i = [], [], 0
+    while i < len(tokens):
+        tok, i = tokens[i], i + 1
+        if tok.startswith("--"):
+            name, eq, value = tok.partition("=")
+            value = value if eq else None
+        elif tok.startswith("-") and len(tok) > 1:
+            name, value = tok[:2], tok[2:] or None
+        else:  # a path: which tests run is the grader's choice
+            dropped.append(tok)
+            continue
+        takes = _ADDOPTS_KEPT.get(name)
+        if takes and value is None and i < len(tokens):
+            value, i = tokens[i], i + 1
+        ok = takes is not None and (value is not None) == takes and not (name == "-p" and not value.startswith("no:"))
+        (kept if ok else dropped).extend([name] if value is None else [name, value])
+    return kept, dropped
+
+
+def repo_config_args(workspace):
+    """pytest arguments that honour the repository's configuration; (args, notes)."""
+    try:
+        _, inipath, inicfg = _pytest.config.findpaths.locate_config([pathlib.Path(workspace)])
+    except Exception as e:  # noqa: BLE001 - pytest itself would stop on a malformed config
+        return ["-o", "addopts="], [f"pytest configuration not read: {e}"[:300]]
+    args, notes = [], []
+    for key, value in sorted(inicfg.items()):
+        if key in _INI_SKIPPED:
+            if key != "addopts":
+                notes.append(f"ini {key} not used")
+            continue
+        if key == "pythonpath":  # relative to the config's folder, which `-c /dev/null` would make /dev
+            parts = shlex.split(value) if isinstance(value, str) else value
+            value = [os.path.join(os.path.dirname(inipath), p) for p in parts]
+        args += ["-o", f"{key}={chr(10).join(value) if isinstance(value, list) else value}"]
+    kept, dropped = filter_addopts(inicfg.get("addopts", ""))
+    args += ["-o", f"addopts={shlex.join(kept)}"]
+    if dropped:
+        notes.append(f"addopts not used: {' '.join(dropped)}")
+    if inipath is not None:
+        notes.insert(0, f"pytest configuration: {os.path.relpath(inipath, workspace)}")
+    return args, notes
+
+
 def run_tests(job, baseline, rec_fd):
     def fn():
         os.chdir(WORKSPACE)
@@ -423,9 +512,12 @@ def run_tests(job, baseline, rec_fd):
         src_layout = os.path.isdir(src) and not os.path.exists(os.path.join(src, "__init__.py"))
         sys.path[:0] = [WORKSPACE] + [src] * src_layout
         sys.dont_write_bytecode = True
-        args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, "-o", "addopts=",
+        config, notes = repo_config_args(WORKSPACE)
+        for note in notes:
+            print(f"flashpost: {note}", file=sys.stderr)
+        args = ["-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", WORKSPACE, *config,
                 "-q", "--tb=short", *job["test_paths"]]
-        rc = pytest.main(args, plugins=[FlashpostReporter(rec_fd)])
+        rc = pytest.main(args, plugins=[FlashpostReporter(rec_fd), *IMAGE_PLUGINS])
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(rc))
@@ -528,6 +620,14 @@ def statuses(records):
     return status, conflicts
 
 
+# Characters XML 1.0 cannot hold (a failure message quoting terminal escapes, NUL...), written as \xNN.
+_XML_UNSAFE = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _escape(m):
+    return f"\\x{ord(m.group()):02x}"
+
+
 def junit_xml(status, records):
     """pytest-style JUnit (xunit2 naming, plus a file attribute) built outside the test process."""
     messages = {r["nodeid"]: r["message"] for r in records if r.get("message") and "nodeid" in r}
@@ -541,7 +641,7 @@ def junit_xml(status, records):
                              name=parts[-1], file=parts[0])
         if st in ("failed", "error"):
             tag = "failure" if st == "failed" else "error"
-            ET.SubElement(case, tag, message=st).text = messages.get(nid, "")
+            ET.SubElement(case, tag, message=st).text = _XML_UNSAFE.sub(_escape, messages.get(nid, ""))
         elif st in ("skipped", "xfailed"):
             ET.SubElement(case, "skipped", message=st)
     root = ET.Element("testsuites")

@@ -71,6 +71,7 @@ class FeasibleRepo(Record):
     source_files: list[str] = field(default_factory=list)
     results: dict[str, str] = field(default_factory=dict)  # test id -> status (first run)
     passing: list[str] = field(default_factory=list)  # passed on every baseline run
+    test_env: dict[str, Any] = field(default_factory=dict)  # synth.testenv.TestEnv: requirements, skipped, wheels
 
 
 @dataclass(kw_only=True)

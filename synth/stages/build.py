@@ -18,7 +18,7 @@ from pathlib import Path
 from envs import engine
 from envs.sandbox import Sandbox
 from envs.task import Task
-from synth import mutations
+from synth import mutations, testenv
 from synth.config import Context
 from synth.records import SpecRecord, TaskRecord
 from synth.testrun import TEST_COMMAND
@@ -113,8 +113,9 @@ def repo_files(repo_dir: str | Path) -> dict[str, bytes]:
 
 
 def build_tree_image(files: dict[str, bytes], image: str, *, script: str = FRESH_HISTORY) -> str:
-    """Build (or find cached by content) `image` = base image + files at /workspace + script; its id."""
-    base = engine.ensure_base_image()
+    """Build (or find cached by content) `image` = the tree's test environment (synth/testenv.py: the
+    base image, plus the test wheels the tree declares) + files at /workspace + script; its id."""
+    base = testenv.env_image(files)
     h = hashlib.sha256(engine.image_id(base).encode() + script.encode())
     for rel, content in sorted(files.items()):
         h.update(rel.encode() + b"\0" + hashlib.sha256(content).digest())

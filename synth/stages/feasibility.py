@@ -1,6 +1,8 @@
-"""Stage 2, feasibility: an ingested tree -> a pristine repository image whose test suite runs in a
-grader sandbox, with the test command, the parser, and pass/fail per test id (two baseline runs:
-a test must pass on both to count as passing, so baseline-flaky tests never become F2P/P2P).
+"""Stage 2, feasibility: an ingested tree -> a pristine repository image (its declared test
+dependencies installed: synth/testenv.py) whose test suite runs in a grader sandbox under the
+repository's own pytest configuration, with the test command, the parser, and pass/fail per test id
+(two baseline runs: a test must pass on both to count as passing, so baseline-flaky tests never
+become F2P/P2P).
 
 Not here: mutating anything (specify).
 """
@@ -12,6 +14,7 @@ import time
 from pathlib import PurePosixPath
 
 from envs.grading import is_protected
+from synth import testenv
 from synth.config import Context
 from synth.records import FeasibleRepo, RepoRecord
 from synth.stages.build import build_tree_image, repo_files
@@ -53,8 +56,10 @@ def process(repo: RepoRecord, ctx: Context) -> FeasibleRepo:
         return rec.drop("no source: every .py file is a test or protected")
     digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items()))).hexdigest()[:16]
     rec.image = f"flashpost/synth-repo:{repo.key}-{digest}"
-    ctx.note("building the repository image")
+    ctx.note("installing the declared test dependencies")
     try:
+        rec.test_env = testenv.resolve(files).to_dict()
+        ctx.note("building the repository image")
         build_tree_image(files, rec.image)
     except RuntimeError as e:
         return rec.drop(f"build failed: {e}"[:1500])
