@@ -117,3 +117,33 @@ def test_replayed_demonstrations_look_edit_read_and_some_recover(tmp_path):
         if d.solver == "recovery":
             assert len(tools) == 6 and "failed" in tools[2]["content"]
         assert rows[d.task_id].test_command.startswith(f"python3 {CHECK_PATH} ")
+
+
+@pytest.mark.docker
+def test_a_warm_replay_sandbox_is_reset_after_each_episode_and_records_the_task_s_file():
+    import dataclasses
+
+    from envs import engine
+    from synth.families import family_tasks
+    from synth.taskset_sources import WarmSandboxes
+
+    if not engine.engine_available():
+        pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
+    insts = demo_splits(2, 0, 0, seed=6)["A_train"]
+    tasks = family_tasks(insts)
+    warm = WarmSandboxes(tasks[0].image, 1)
+    try:
+        for task, inst in zip(tasks, insts):
+            with warm.lend(task) as sb:
+                sb.write_file(task.verification["file"], inst.correct)
+                sb.write_file("stray.txt", "left behind")
+            assert warm.files[task.task_id] == inst.correct
+            (sb,) = warm.free
+            assert sb.exec("git status --porcelain", timeout=30, workdir="/workspace").output == ""
+        with pytest.raises(KeyError):  # a task naming no file is a caller error, and the sandbox still resets
+            with warm.lend(dataclasses.replace(tasks[0], verification={})) as sb:
+                sb.write_file("stray.txt", "x")
+        assert len(warm.free) == 1
+        assert warm.free[0].exec("git status --porcelain", timeout=30, workdir="/workspace").output == ""
+    finally:
+        warm.close()
