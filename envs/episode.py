@@ -41,13 +41,10 @@ SandboxFactory = Callable[["Task"], contextlib.AbstractContextManager[Sandbox]]
 
 # The tool schemas are not in this text: the chat template renders `tool_schemas()` into the system turn
 # (model/chat_template.py `render(messages, tools=...)`), and OpenAI-style endpoints take them as `tools`.
-SYSTEM_PROMPT = """You are a software engineer working in the repository at {workdir}, inside a sandbox \
-without network access. Resolve the issue the user describes by changing the code.
-
-You act only through tool calls. To call a tool, write
-{open}{{"name": "<tool name>", "arguments": {{<arguments>}}}}{close}
-You may reason in plain text before your calls and make several calls in one message; each call returns \
-an observation. When the issue is resolved, call submit."""
+# Short: it is prefill of every episode and every demonstration (with the schemas, model/chat_template.py).
+SYSTEM_PROMPT = """You are a software engineer in the repository at {workdir} (no network). Fix the issue \
+the user describes. Act only through tool calls, each written \
+{open}{{"name": "<tool>", "arguments": {{...}}}}{close}; a call returns an observation. Call submit when done."""
 
 NO_TOOL_CALL = (f"error: your message contained no tool call. Call a tool with {TOOL_CALL_OPEN}"
                 f'{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}, or call submit when you are done.')
@@ -106,6 +103,12 @@ class EpisodeResult:
     def reward(self) -> float | None:
         """None means "no reward" (not graded, or an infrastructure failure): exclude, don't score 0."""
         return None if self.grade is None else self.grade.reward
+
+
+def task_file(task: Task) -> str | None:
+    """The one file a task is about, when its factory names one (verification["file"], relative to the
+    workspace): `view` and `edit` act on it when the call gives no path, so a one-token fix needs no path."""
+    return task.verification.get("file")
 
 
 def initial_messages(task: Task, config: EpisodeConfig) -> list[Message]:
@@ -201,7 +204,7 @@ async def run_episode(
     try:
         transcript.setup_s = time.monotonic() - t0
         ctx = ToolContext(config=config.tools, test_command=task.test_command, workdir=config.workdir,
-                          deadline=time.monotonic() + config.wall_time_s)
+                          deadline=time.monotonic() + config.wall_time_s, default_path=task_file(task))
         t1 = time.monotonic()
         await _agent_loop(sb, policy, ctx, config, count_tokens, transcript)
         transcript.agent_s = time.monotonic() - t1

@@ -41,6 +41,7 @@ class ToolContext:
     test_command: str | None = None
     workdir: str = "/workspace"
     deadline: float | None = None
+    default_path: str | None = None  # the task's one file (envs.episode.task_file): view/edit without a path
 
 
 @dataclass
@@ -199,8 +200,18 @@ def _run_shell(sb: Sandbox, command: str, timeout: float, ctx: ToolContext) -> T
                       exit_code=r.exit_code, timed_out=r.timed_out)
 
 
+def _path(args: dict[str, Any], ctx: ToolContext) -> str | ToolResult:
+    if "path" in args:
+        return _resolve(ctx, args["path"])
+    if ctx.default_path is None:
+        return _error("this task names no single file: pass path")
+    return _resolve(ctx, ctx.default_path)
+
+
 def run_view(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-    path = _resolve(ctx, args["path"])
+    path = _path(args, ctx)
+    if isinstance(path, ToolResult):
+        return path
     kind, _, _ = _stat(sb, path)
     if kind == "dir":
         if "view_range" in args:
@@ -248,13 +259,17 @@ def _list_dir(sb: Sandbox, path: str, ctx: ToolContext) -> ToolResult:
 
 
 def run_edit(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-    path = _resolve(ctx, args["path"])
+    path = _path(args, ctx)
+    if isinstance(path, ToolResult):
+        return path
     old, new = args["old_str"], args["new_str"]
     if not old:
         return _error("old_str must not be empty")
     text = _read_text(sb, ctx, path)
     if isinstance(text, ToolResult):
         return text
+    if "line" in args:
+        return _edit_line(sb, path, text, args["line"], old, new)
     n = text.count(old)
     if n == 0:
         return _error(f"old_str was found 0 times in {path}; it must match the file exactly "
@@ -265,7 +280,7 @@ def run_edit(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
             starts.append(text.count("\n", 0, i) + 1)
             i = text.find(old, i + 1)
         return _error(f"old_str was found {n} times in {path} (at lines {starts[:20]}); add surrounding "
-                      "lines so it matches exactly once")
+                      "lines, or pass line, so it matches exactly once")
     at = text.index(old)
     updated = text[:at] + new + text[at + len(old) :]
     if (failed := _write_text(sb, path, updated)) is not None:
@@ -275,6 +290,21 @@ def run_edit(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
     lo, hi = max(first - 4, 0), min(first + new.count("\n") + 3, len(lines))
     snippet = _numbered(lines[lo:hi], lo + 1)
     return ToolResult(output=f"Edited {path}. Lines {lo + 1}-{hi} now read:\n{snippet}")
+
+
+def _edit_line(sb: Sandbox, path: str, text: str, lineno: int, old: str, new: str) -> ToolResult:
+    """The short form: replace the first occurrence of `old` on line `lineno` (a one-token fix is a
+    one-token call; the observation is that line alone, so the agent reads what it wrote)."""
+    lines = text.splitlines(keepends=True)
+    if not 1 <= lineno <= len(lines):
+        return _error(f"line {lineno} is not in {path} ({len(lines)} lines)")
+    line = lines[lineno - 1]
+    if old not in line:
+        return _error(f"old_str {old!r} is not on line {lineno}: {line.strip()}")
+    lines[lineno - 1] = line.replace(old, new, 1)
+    if (failed := _write_text(sb, path, "".join(lines))) is not None:
+        return failed
+    return ToolResult(output=f"line {lineno}: {lines[lineno - 1].strip()}")
 
 
 def run_create(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -311,68 +341,67 @@ class Tool:
 
 
 def _params(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+    """An object schema. No `additionalProperties: false` and no empty `required`: `validate_arguments`
+    rejects unknown keys without it, and every schema key is prefill of every episode."""
+    return {"type": "object", "properties": properties} | ({"required": required} if required else {})
 
 
-_PATH = {"type": "string", "description": "File path, absolute or relative to the working directory."}
+# Descriptions are terse on purpose: every episode's system turn carries all schemas (model/chat_template.py),
+# so each word is prefill of every episode and every demonstration.
+_PATH = {"type": "string", "description": "Relative to the repository root; default: the task's file."}
 _STR = {"type": "string"}
 
 TOOLS: dict[str, Tool] = {
     "bash": Tool(
         name="bash",
-        description="Run a bash command in the working directory and return its combined stdout/stderr "
-        "and exit code. Long outputs keep their head and tail. There is no network access.",
+        description="Run a shell command in the repository (no network); output and exit code.",
         parameters=_params({
-            "command": _STR | {"description": "The bash command to run."},
-            "timeout": {"type": "integer", "minimum": 1,
-                        "description": "Seconds before the command is killed (default 60, at most 600)."},
+            "command": _STR,
+            "timeout": {"type": "integer", "minimum": 1, "description": "Seconds (default 60, at most 600)."},
         }, ["command"]),
         run=run_bash,
     ),
     "view": Tool(
         name="view",
-        description="Show a text file with line numbers, optionally only lines [start, end] (1-based, "
-        "inclusive; end -1 means the last line). For a directory, list its entries two levels deep.",
+        description="Show a file with line numbers (view_range [start, end], end -1: last line), or list a "
+        "directory.",
         parameters=_params({
             "path": _PATH,
-            "view_range": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2,
-                           "description": "[start, end] line numbers."},
-        }, ["path"]),
+            "view_range": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+        }, []),
         run=run_view,
     ),
     "edit": Tool(
         name="edit",
-        description="Replace old_str with new_str in a file. old_str must match the file exactly "
-        "(whitespace included) and exactly once; include enough context to make it unique.",
+        description="Replace old_str by new_str: on the given line (first occurrence), or where it occurs "
+        "exactly once in the file.",
         parameters=_params({
             "path": _PATH,
-            "old_str": _STR | {"description": "Exact text to replace."},
-            "new_str": _STR | {"description": "Replacement text (may be empty)."},
-        }, ["path", "old_str", "new_str"]),
+            "line": {"type": "integer", "minimum": 1},
+            "old_str": _STR,
+            "new_str": _STR,
+        }, ["old_str", "new_str"]),
         run=run_edit,
     ),
     "create": Tool(
         name="create",
-        description="Create a new file with the given content (parent directories are created). Refuses "
-        "to replace an existing file unless overwrite is true; prefer edit for changes.",
+        description="Create a file (overwrite: true replaces an existing one).",
         parameters=_params({
-            "path": _PATH,
-            "content": _STR | {"description": "The file content."},
-            "overwrite": {"type": "boolean", "description": "Replace an existing file (default false)."},
+            "path": _STR,
+            "content": _STR,
+            "overwrite": {"type": "boolean"},
         }, ["path", "content"]),
         run=run_create,
     ),
     "run_tests": Tool(
         name="run_tests",
-        description="Run the task's test command and return its output and exit code. This is feedback "
-        "only; it does not end the episode.",
+        description="Run the task's tests: the first failure and a summary. Feedback only.",
         parameters=_params({}, []),
         run=run_tests,
     ),
     "submit": Tool(
         name="submit",
-        description="Submit the current state of the working directory as your solution and end the "
-        "episode. Call it once you are done.",
+        description="Submit the working tree as your solution; ends the episode.",
         parameters=_params({}, []),
         run=run_submit,
     ),

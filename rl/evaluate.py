@@ -56,6 +56,17 @@ def _summary(rows: list[dict]) -> dict:
     return {"tasks": len(rows), **{k: sum(r[k] for r in rows) / len(rows) if rows else float("nan") for k in keys}}
 
 
+def called_tools(traj, template) -> list[str]:
+    """The tools a sample called, in order (turns per episode and the tool-call mix)."""
+    from envs.protocol import parse_tool_calls
+
+    names = []
+    for m in traj.transcript:
+        if m["role"] == "assistant" and m.get("token_ids"):
+            names += [c.name for c in parse_tool_calls(template.tokenizer.decode(m["token_ids"]))[0]]
+    return names
+
+
 def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     from rl.actors import RolloutWorker, build_model
     from rl.rollout import RolloutRequest
@@ -86,7 +97,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
                              "source": row.source.get("repo") or row.source.get("generator", ""),
                              "samples": len(graded), "passed": c, "infra_failed": len(trajs) - len(graded),
                              "pass@1": pass_at_k(len(graded), c, 1), "pass@k": pass_at_k(len(graded), c, cfg.k),
-                             "rewards": [t.reward for t in graded]})  # fmt: skip
+                             "rewards": [t.reward for t in graded],
+                             "tool_calls": [called_tools(t, worker.template) for t in graded]})  # fmt: skip
 
     try:
         asyncio.run(run())

@@ -10,9 +10,10 @@
                                          [--min-difficulty X] [--max-difficulty Y]
 
 `build` writes its task set (synth/taskset.py) to DIR/taskset: `--source repo` (the default) runs the
-factory on --repo, `families` writes the demo's families (--budget family-A tasks, half as many
-family-B), `fixtures` the fixture tasks, `toy` the in-process toy family (--budget tasks). Trainers and
-flashpost-eval read it with `tasks=DIR/taskset`.
+factory on --repo, `families` writes the demo's families (--budget family-A tasks with
+demonstrations, --n-b family-B, --n-heldout held out of each), `fixtures` the fixture tasks, `toy`
+the in-process toy family (--budget tasks). Trainers and flashpost-eval read it with
+`tasks=DIR/taskset`.
 
 Bad input (an unfetchable --repo, a non-positive budget, an --out of another repository's run, a folder
 that is no run) exits 2 before any stage runs, naming the fix; Ctrl-C keeps finished units and exits 130.
@@ -56,7 +57,9 @@ def _build(args: argparse.Namespace) -> int:
     out = Path(args.out) / TASKSET_DIR
     if args.source != "repo":
         kwargs = {"toy": {"n": args.budget, "seed": args.seed}, "fixtures": {},
-                  "families": {"n_a": args.budget, "n_b": max(1, args.budget // 2), "seed": args.seed}}
+                  "families": {"n_a": args.budget, "n_b": args.n_b or max(1, args.budget // 2),
+                               "n_heldout": args.n_heldout or max(1, args.budget // 4),
+                               "recovery_share": args.recovery_share, "seed": args.seed}}
         ts = SOURCES[args.source](**kwargs[args.source])
         taskset.save(ts, out)
         print(f"{len(ts.tasks)} task(s), {len(ts.demos)} demonstration(s) from source {args.source} -> {out}")
@@ -202,6 +205,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--unit-budget", nargs="*", default=[], metavar="STAGE=SECONDS",
                    help="time budget per unit of a stage (default: each stage's BUDGET_S), e.g. solve=600")
     b.add_argument("--history-commits", type=int, default=50, help="newest commits of a git source to invert")
+    b.add_argument("--n-b", type=int, default=0, help="--source families: family-B train tasks (default budget/2)")
+    b.add_argument("--n-heldout", type=int, default=0,
+                   help="--source families: held-out tasks per family (default budget/4)")
+    b.add_argument("--recovery-share", type=float, default=0.25,
+                   help="--source families: share of demonstrations with a failed first edit and its recovery")
     b.set_defaults(fn=_build)
     i = sub.add_parser("inspect", help="per-task gate results")
     i.add_argument("dir")

@@ -4,10 +4,13 @@ Each instance is a template of TEMPLATES (synth/family_templates.py: short pure 
 assert tests, in the style of synth/sample_repo) with its identifiers renamed at random and one bug
 injected by a synth/mutations.py operator. Templates are split into family A (has demonstrations: the gold
 edit) and family B (tests only), each with train and held-out instances (held-out instances are
-fresh draws, never equal to a train instance). The prompt is the numbered buggy source plus the
-first failing assert with the value it actually produced (observed by running the tests here, on
-the factory side, on our own template code). The action is ` <line>|<old>=><new>`: replace the
-first occurrence of `old` on that line (DEMO_NOTES: ~8-byte edits are what a tiny policy learns).
+fresh draws, never equal to a train instance). The task statement (`Instance.statement`) names the
+function and says what is wrong in words above its numbered source; the agent runs the tests
+(tests/check.py, envs/check_runner.py: the first failing assert and the value it got) to find the
+line. The fix is ` <line>|<old>=><new>`: replace the first occurrence of `old` on that line, the
+edit tool's {"line", "old_str", "new_str"} call (DEMO_NOTES: ~8-byte edits are what a tiny policy
+learns); `wrong_edits` gives plausible failed first edits and their corrections for demonstrations.
+`Instance.prompt` (source plus first failing assert) is the single-turn form.
 
 `family_tasks` turns instances into real envs Tasks in one image (flashpost/demo-family:<hash>,
 one module and one test file per instance), so they are graded like any task: in a pristine
@@ -44,6 +47,17 @@ BUG_KINDS = (
     "inverted_condition",
     "off_by_one",
 )
+# The task statement says what is wrong in words (the agent runs the tests to see which value is wrong).
+BUG_WORDS = {
+    "comparison_flip": "a comparison is wrong",
+    "arithmetic_swap": "an arithmetic operator is wrong",
+    "boolean_flip": "a boolean operator or constant is wrong",
+    "dropped_negation": "a negation is missing",
+    "inverted_condition": "a condition is inverted",
+    "off_by_one": "a number is off by one",
+}
+# Plausible wrong replacements of a gold edit's token, for demonstrations that recover from a failed edit.
+SIBLINGS = (("<", "<=", ">", ">=", "==", "!="), ("+", "-", "*", "//"), ("and", "or"), ("True", "False"))
 B_SHARE = 0.25  # share of templates in family B (tests only)
 SPLIT_SEED = 0
 _BUILTINS = {"len", "range", "sum", "min", "max", "str", "round", "list", "sorted", "True", "False", "None", "_"}
@@ -131,9 +145,14 @@ class Instance:
     file: str = ""
 
     @property
+    def statement(self) -> str:
+        """The multi-turn task: the function and what is wrong in words, its numbered source; the failing
+        test is for the agent to find (`run_tests`)."""
+        return f"Fix `{self.func}` ({module_path(self)}): {BUG_WORDS[self.kind]}.\n{numbered(self.buggy)}"
+
+    @property
     def prompt(self) -> str:
-        lines = self.buggy.splitlines()
-        return "\n".join(f"{i} {line}" for i, line in enumerate(lines, 1)) + "\n" + self.first_fail
+        return numbered(self.buggy) + "\n" + self.first_fail
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,6 +160,10 @@ class Instance:
     @classmethod
     def from_dict(cls, d: dict) -> Instance:
         return cls(**{**d, "tests": tuple(d["tests"])})
+
+
+def numbered(source: str) -> str:
+    return "\n".join(f"{i} {line}" for i, line in enumerate(source.splitlines(), 1))
 
 
 # ----------------------------------------------------------------------------- the edit action
@@ -227,6 +250,56 @@ def gold_action(buggy: str, correct: str) -> str | None:
             if fixed == correct or (fixed is not None and _same_code(fixed, want)):
                 return action
     return None
+
+
+def split_action(source: str, action: str) -> tuple[int, str, str] | None:
+    """(line, old, new) of an action as `apply_action` reads it against `source`: the edit tool's
+    {"line", "old_str", "new_str"} call."""
+    parsed = parse_action(action)
+    if parsed is None or apply_action(source, action) is None:
+        return None
+    lineno, rest, _ = parsed
+    line = source.splitlines()[lineno - 1]
+    i = rest.find("=>")
+    while i >= 0:
+        if rest[:i] and rest[:i] in line:
+            return lineno, rest[:i], rest[i + 2 :]
+        i = rest.find("=>", i + 1)
+    return None
+
+
+def wrong_edits(inst: Instance) -> list[tuple[str, str]]:
+    """(wrong action, correcting action) pairs: the gold edit's token swapped for a sibling (`<` for
+    `<=`, `-` for `+`, a constant one further off) so the tests still fail, then the edit from there to
+    the correct source. Checked on our own template code (factory side)."""
+    parts = split_action(inst.buggy, inst.action)
+    if parts is None:
+        return []
+    lineno, old, new = parts
+    wrong = set()
+    for group in SIBLINGS:
+        for tok in group:
+            if f" {tok} " in f" {new} ":
+                wrong |= {f" {new} ".replace(f" {tok} ", f" {o} ", 1)[1:-1] for o in group if o != tok}
+    for tok in new.split():
+        if tok.isdigit():
+            wrong |= {f" {new} ".replace(f" {tok} ", f" {int(tok) + d} ", 1)[1:-1] for d in (-1, 1)
+                      if int(tok) + d >= 0}  # fmt: skip
+    source, calls = TEMPLATES[inst.template]
+    expected, _ = template_bugs(inst.template)
+    out = []
+    for w in sorted(wrong - {old, new}):
+        bad = apply_action(inst.buggy, f" {lineno}|{old}=>{w}")
+        fix = f" {lineno}|{w}=>{new}"
+        if bad is None or apply_action(bad, fix) != inst.correct:
+            continue
+        try:
+            got = run_calls(bad, inst.func, calls)
+        except SyntaxError:
+            continue
+        if any(k != "ok" or repr(v) != e for (k, v), e in zip(got, expected)):
+            out.append((f" {lineno}|{old}=>{w}", fix))
+    return out
 
 
 def _same_code(source: str, want_dump: str) -> bool:
@@ -405,8 +478,16 @@ def render_tests(inst: Instance) -> str:
     return f"from {MODULE_DIR}.{inst.iid} import {inst.func}\n{body}"
 
 
+CHECK_PATH = "tests/check.py"  # envs/check_runner.py, the agent's quick test runner
+
+
+def test_command(inst: Instance) -> str:
+    return f"python3 {CHECK_PATH} {module_tests_path(inst)}"
+
+
 def repo_files(instances: list[Instance]) -> dict[str, bytes]:
-    files = {f"{MODULE_DIR}/__init__.py": b"", "tests/__init__.py": b""}
+    check = (Path(__file__).resolve().parent.parent / "envs" / "check_runner.py").read_bytes()
+    files = {f"{MODULE_DIR}/__init__.py": b"", "tests/__init__.py": b"", CHECK_PATH: check}
     for inst in instances:
         files[module_path(inst)] = inst.buggy.encode()
         files[module_tests_path(inst)] = render_tests(inst).encode()
@@ -469,11 +550,12 @@ def family_tasks(instances: list[Instance], build: bool = True) -> list:
         failing = set(_failing(inst))
         tasks.append(Task(
             task_id=f"demo-{inst.iid}", repo="flashpost/demo-family", base_revision=rev, image=image,
-            image_digest=digest, problem_statement=inst.prompt, test_command="python3 -m pytest -q",
+            image_digest=digest, problem_statement=inst.statement, test_command=test_command(inst),
             test_parser="junit", f2p=[ids[k] for k in sorted(failing)],
             p2p=[ids[k] for k in range(len(ids)) if k not in failing],
             gold_patch=unified_diff(module_path(inst), inst.buggy, fixed), test_files=[module_tests_path(inst)],
-            verification={"source": "synth.families", "sources": [module_path(inst)], "family": inst.family,
+            verification={"source": "synth.families", "sources": [module_path(inst)], "file": module_path(inst),
+                          "family": inst.family,
                           "split": inst.split, "template": inst.template, "kind": inst.kind, "action": inst.action},
         ))  # fmt: skip
     return tasks

@@ -5,17 +5,20 @@ Sources (SOURCES, the `--source` of `flashpost-factory build`):
   repo      a factory run folder (synth/runner.py): the inspector's accepted tasks, one demonstration
             per solver whose patch passed;
   families  the demo's synthetic one-function families (synth/families.py) as repository tasks in one
-            image; family A carries demonstrations (the gold edit), family B is tests only;
+            image; family A carries multi-turn demonstrations (tests, short edit, tests, submit; a share
+            with a failed first edit and its recovery), family B is tests only;
   fixtures  the hand-made fixture tasks (envs/fixtures), the gold patch as the demonstration;
   toy       the in-process toy family (rl/rollout.py) of CPU runs and tests; no container.
 A demonstration of a sandbox task is a real episode (envs/episode.py) in the task's image: the solver's
 patch is replayed as tool calls (run the tests, apply the patch, run them again, submit) and kept only
-when the pristine grader gives it reward 1, so its observations are what the agent would see.
+when the pristine grader gives it reward 1, so its observations are what the agent would see (family
+scripts run in warm sandboxes and are graded in one batch: `replay_family_demos`).
 Not here: the on-disk format (synth/taskset.py) or the factory stages (synth/stages/).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,48 +37,152 @@ HELDOUT_SHARE = 0.25
 
 
 # ---------------------------------------------------------------------- demonstrations
+def _call(name: str, arguments: dict[str, Any] | None = None, content: str = "") -> dict[str, Any]:
+    return {"role": "assistant", "content": content, "tool_calls": [{"name": name, "arguments": arguments or {}}]}
+
+
 def _script(task, patch: str) -> list[dict[str, Any]]:
     body = patch if patch.endswith("\n") else patch + "\n"
     apply = f"cd /workspace && git apply <<'FLASHPOST_PATCH'\n{body}FLASHPOST_PATCH"
-    return [
-        {"role": "assistant", "content": "I will run the tests to see what fails.",
-         "tool_calls": [{"name": "run_tests", "arguments": {}}]},
-        {"role": "assistant", "content": "I will apply the fix.",
-         "tool_calls": [{"name": "bash", "arguments": {"command": apply}}]},
-        {"role": "assistant", "content": "I will check that the tests pass now.",
-         "tool_calls": [{"name": "run_tests", "arguments": {}}]},
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]},
-    ]  # fmt: skip
+    return [_call("run_tests", content="I will run the tests to see what fails."),
+            _call("bash", {"command": apply}, "I will apply the fix."),
+            _call("run_tests", content="I will check that the tests pass now."), _call("submit")]  # fmt: skip
 
 
-def replay_demo(task, patch: str, solver: str) -> Demo | None:
-    """The transcript of an episode that applies `patch` through tool calls, graded by the pristine
-    grader; None when the replay does not earn reward 1 (the run is not a verified solve)."""
-    from envs.episode import EpisodeConfig, run_episode_sync
-    from envs.grading import grade_patch
+def family_script(inst, wrong: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """A family episode as terse tool calls (no prose: every assistant token is decode and loss): look
+    at the tests, edit, read the result, submit; with `wrong` (synth.families.wrong_edits), a failed
+    first edit, its test result and the correcting edit before the final check."""
+    from synth.families import apply_action, split_action
+
+    def edit(source: str, action: str) -> dict[str, Any]:
+        line, old, new = split_action(source, action)
+        return _call("edit", {"line": line, "old_str": old, "new_str": new})
+
+    calls = [_call("run_tests")]
+    if wrong is None:
+        calls.append(edit(inst.buggy, inst.action))
+    else:
+        calls += [edit(inst.buggy, wrong[0]), _call("run_tests"), edit(apply_action(inst.buggy, wrong[0]), wrong[1])]
+    return calls + [_call("run_tests"), _call("submit")]
+
+
+async def _replay(task, script: list[dict[str, Any]], **episode_kw):
+    """Run `script` as the policy of a real episode of `task` (the agent's view: no gold patch)."""
+    from envs.episode import EpisodeConfig, run_episode
     from model.chat_template import assistant_text
 
-    script = _script(task, patch)
     turns = iter(script)
 
     def policy(messages) -> str:
         return assistant_text(next(turns))
 
     agent_view = dataclasses.replace(task, gold_patch="")
-    res = run_episode_sync(agent_view, policy, config=EpisodeConfig(max_turns=len(script), wall_time_s=600.0),
-                           grade=lambda _t, diff: grade_patch(task, diff))  # fmt: skip
-    if res.reward != 1.0:
-        log.info("demonstration of %s by %s not kept: %s %s", task.task_id, solver, res.transcript.termination,
-                 res.grade.reason if res.grade else res.transcript.error)
-        return None
+    config = EpisodeConfig(max_turns=len(script), wall_time_s=600.0)
+    return await run_episode(agent_view, policy, config=config, **episode_kw)
+
+
+def _demo(task, script: list[dict[str, Any]], solver: str, transcript) -> Demo:
+    """The transcript with the script's own assistant messages (structured tool calls) in place."""
     assistant = iter(script)
     messages = []
-    for m in res.transcript.messages:
+    for m in transcript.messages:
         if m.role == "assistant":
             messages.append(next(assistant))
         else:
             messages.append({"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})})
     return Demo(id=f"{task.task_id}/{solver}", task_id=task.task_id, solver=solver, messages=messages)
+
+
+def replay_demo(task, patch: str, solver: str) -> Demo | None:
+    """The transcript of an episode that applies `patch` through tool calls, graded by the pristine
+    grader; None when the replay does not earn reward 1 (the run is not a verified solve)."""
+    import asyncio
+
+    from envs.grading import grade_patch
+
+    script = _script(task, patch)
+    res = asyncio.run(_replay(task, script, grade=lambda _t, diff: grade_patch(task, diff)))
+    if res.reward != 1.0:
+        log.info("demonstration of %s by %s not kept: %s %s", task.task_id, solver, res.transcript.termination,
+                 res.grade.reason if res.grade else res.transcript.error)
+        return None
+    return _demo(task, script, solver, res.transcript)
+
+
+class WarmSandboxes:
+    """`k` agent sandboxes of one image reused across replays of OUR scripts (never a policy's: RL and
+    evaluation episodes get a fresh container each, envs/pool.py), each reset to the image's commit after
+    an episode. `lend(task)` records the task's file (verification["file"]) as the episode left it, for
+    the batch grader."""
+
+    def __init__(self, image: str, k: int):
+        from envs.sandbox import Sandbox
+
+        self.free = [Sandbox(image, labels={"flashpost.role": "demo-replay"}).start() for _ in range(k)]
+        self.files: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def lend(self, task):
+        sb = self.free.pop()  # callers hold a semaphore of k: never empty here
+        try:
+            yield sb
+            path = task.verification["file"]
+            self.files[task.task_id] = sb.read_file(f"/workspace/{path}").decode()
+        finally:
+            r = sb.exec("git checkout -q -- . && git clean -fdq", timeout=60, workdir="/workspace")
+            if r.exit_code != 0:
+                raise RuntimeError(f"could not reset a demo sandbox: {r.output[-500:]}")
+            self.free.append(sb)
+
+    def close(self) -> None:
+        for sb in self.free:
+            sb.close()
+
+
+def replay_family_demos(jobs: list[tuple[Any, list[dict[str, Any]], str]], *, sandboxes: int = 2,
+                        progress: bool = True) -> list[Demo]:  # fmt: skip
+    """Demonstrations of (task, script, solver) jobs of one image: each script replayed as a real episode
+    in a warm sandbox, every final file graded by the batch grader in a pristine grader container
+    (envs/batch_grading.py, one exec for many); only reward-1 replays are kept."""
+    import asyncio
+
+    from envs.batch_grading import grade_batch
+    from envs.pool import GraderPool
+
+    if not jobs:
+        return []
+    (image,) = {t.image for t, _, _ in jobs}
+    warm = WarmSandboxes(image, sandboxes)
+    bar = tqdm(total=len(jobs), desc="demonstrations", unit="run", disable=not progress)
+
+    async def one(sem, task, script):
+        async with sem:
+            res = await _replay(task, script, sandbox_factory=warm.lend)
+        bar.update()
+        return res
+
+    async def all_jobs():
+        sem = asyncio.Semaphore(sandboxes)
+        return await asyncio.gather(*(one(sem, t, s) for t, s, _ in jobs))
+
+    try:
+        results = asyncio.run(all_jobs())
+    finally:
+        bar.close()
+        warm.close()
+    done = [(j, r) for j, r in zip(jobs, results, strict=True)
+            if r.transcript.termination == "submit" and j[0].task_id in warm.files]  # fmt: skip
+    with GraderPool(max_graders=1) as pool:
+        grades = grade_batch([(t, {t.verification["file"]: warm.files[t.task_id]}) for (t, _, _), _ in done],
+                             pool=pool)  # fmt: skip
+    out = []
+    for ((task, script, solver), res), g in zip(done, grades, strict=True):
+        if g.reward == 1.0:
+            out.append(_demo(task, script, solver, res.transcript))
+        else:
+            log.info("demonstration of %s by %s not kept: %s", task.task_id, solver, g.reason)
+    return out
 
 
 def _demos(rows: list[TaskRow], patches: dict[str, dict[str, str]], progress: bool) -> list[Demo]:
@@ -101,7 +208,8 @@ def _rebuild_fixture(recipe: dict) -> str:
 def _rebuild_families(recipe: dict) -> str:
     from synth.families import family_tasks
 
-    return family_tasks(_family_instances(recipe["n_a"], recipe["n_b"], recipe["seed"]))[0].image_digest
+    instances = _family_instances(recipe["n_a"], recipe["n_b"], recipe["n_heldout"], recipe["seed"])
+    return family_tasks(instances)[0].image_digest
 
 
 def _rebuild_tree(recipe: dict) -> str:
@@ -196,26 +304,40 @@ def fixture_source(progress: bool = True) -> TaskSet:
     return TaskSet(rows, demos, {"sources": [{"generator": "fixtures"}]})
 
 
-def _family_instances(n_a: int, n_b: int, seed: int):
-    from synth.families import make_instances
+def _family_instances(n_a: int, n_b: int, n_heldout: int, seed: int):
+    from synth.families import demo_splits
 
-    return make_instances("A", "train", n_a, seed) + make_instances("B", "train", n_b, seed)
+    sets = demo_splits(n_a, n_b, n_heldout, seed)
+    return [inst for key in ("A_train", "B_train", "A_heldout", "B_heldout") for inst in sets[key]]
 
 
-def families_source(n_a: int = 8, n_b: int = 4, seed: int = 0, progress: bool = True) -> TaskSet:
-    """Family A and B instances as tasks in one image; the group is the template (renamings of one
-    template are near-duplicates), so held-out tasks come from templates never trained on."""
-    from synth.families import family_tasks
+def families_source(n_a: int = 8, n_b: int = 4, n_heldout: int = 4, seed: int = 0, recovery_share: float = 0.25,
+                    sandboxes: int = 2, progress: bool = True) -> TaskSet:  # fmt: skip
+    """Family A and B instances as tasks in one image: n_a / n_b train instances and n_heldout held-out
+    instances of each family (fresh draws of the same templates, never equal to a train instance:
+    DEMO_NOTES' held-out measure; family B's templates are never demonstrated). Every family-A train task
+    gets a replayed demonstration (synth.families via `family_script`), `recovery_share` of them with a
+    failed first edit and its recovery where the instance has a plausible wrong edit."""
+    import random
 
-    instances = _family_instances(n_a, n_b, seed)
+    from synth.families import family_tasks, wrong_edits
+
+    instances = _family_instances(n_a, n_b, n_heldout, seed)
+    print(f"[flashpost] families: {len(instances)} instances; building their image")
     tasks = family_tasks(instances)
-    recipe = {"kind": "families", "n_a": n_a, "n_b": n_b, "seed": seed}
+    recipe = {"kind": "families", "n_a": n_a, "n_b": n_b, "n_heldout": n_heldout, "seed": seed}
     rows = [_sandbox_row(t, env="sandbox", source={"generator": "families", "seed": seed}, family=inst.family,
-                         group=f"template-{inst.template}", image_recipe=recipe)
+                         group=inst.iid, split=inst.split, image_recipe=recipe)
             for t, inst in zip(tasks, instances, strict=True)]  # fmt: skip
-    rows = assign_splits(rows, HELDOUT_SHARE)
-    gold = {t.task_id: {"gold": t.gold_patch} for t, inst in zip(tasks, instances) if inst.family == "A"}
-    return TaskSet(rows, _demos(rows, gold, progress), {"sources": [recipe | {"generator": "families"}]})
+    train_a = [(t, inst) for t, inst in zip(tasks, instances) if inst.family == "A" and inst.split == "train"]
+    rng = random.Random(f"recovery/{seed}")
+    wrong = {t.task_id: w for t, inst in train_a if (w := wrong_edits(inst))}
+    recover = set(rng.sample(sorted(wrong), min(len(wrong), round(recovery_share * len(train_a)))))
+    jobs = [(t, family_script(inst, rng.choice(wrong[t.task_id])), "recovery") if t.task_id in recover
+            else (t, family_script(inst), "gold") for t, inst in train_a]  # fmt: skip
+    demos = replay_family_demos(jobs, sandboxes=sandboxes, progress=progress)
+    meta = {"sources": [recipe | {"generator": "families", "recovery_share": recovery_share}]}
+    return TaskSet(rows, demos, meta)
 
 
 def repo_source(out_dir: str | Path, progress: bool = True) -> TaskSet:

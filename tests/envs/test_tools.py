@@ -20,9 +20,25 @@ def test_schemas_are_openai_function_style_and_strict():
     for s in schemas:
         assert set(s) == {"name", "description", "parameters"} and s["description"]
         params = s["parameters"]
-        assert params["type"] == "object" and params["additionalProperties"] is False
-        assert set(params["required"]) <= set(params["properties"])
+        assert params["type"] == "object" and set(params.get("required", [])) <= set(params["properties"])
+        # strict without `additionalProperties: false` in the rendered schema: unknown keys are refused
+        assert validate_arguments(params, {"no_such_argument": 1}) != []
         json.dumps(s)
+
+
+def test_the_schemas_fit_a_small_policy_s_context():
+    # every episode's system turn carries them (model/chat_template.py): the demo's 1024-token `tiny`
+    # needs room for the task and several turns after them
+    from envs.episode import EpisodeConfig, initial_messages
+    from envs.task import Task
+    from model.chat_template import ChatTemplate
+    from model.tokenizer import Tokenizer
+
+    task = Task(task_id="t", repo="r", base_revision="", image="i", image_digest="", problem_statement="p",
+                test_command="true", test_parser="junit", f2p=["a::b"], p2p=[], gold_patch="", test_files=[])
+    system = initial_messages(task, EpisodeConfig())[:1]
+    n = len(ChatTemplate(Tokenizer.default()).render(system, tools=tool_schemas()).token_ids)
+    assert n < 720, n
 
 
 @pytest.mark.parametrize(
@@ -37,6 +53,7 @@ def test_schemas_are_openai_function_style_and_strict():
         ("view", {"path": "a", "view_range": [1]}, "at least 2 items, got 1"),
         ("view", {"path": "a", "view_range": [1, "x"]}, "view_range[1] must be integer, got string"),
         ("edit", {"path": "a", "old_str": "x"}, "missing required argument arguments.new_str"),
+        ("edit", {"line": 0, "old_str": "x", "new_str": "y"}, "arguments.line must be >= 1"),
         ("create", {"path": "a", "content": None}, "arguments.content must be string, got null"),
         ("submit", {"now": True}, "unexpected argument arguments.now (allowed: none)"),
     ],
@@ -52,6 +69,7 @@ def test_validator_accepts_valid_arguments():
     for name, args in [("bash", {"command": "ls", "timeout": 5}),
                        ("view", {"path": ".", "view_range": [1, -1]}),
                        ("edit", {"path": "a", "old_str": "x", "new_str": ""}), ("submit", {}),
+                       ("edit", {"line": 3, "old_str": "<", "new_str": "<="}), ("view", {}),
                        ("create", {"path": "a", "content": "", "overwrite": True})]:
         assert validate_arguments(TOOLS[name].parameters, args) == []
 
@@ -180,6 +198,22 @@ def test_edit_rejects_zero_or_several_matches_and_leaves_the_file_alone(sb):
     assert sb.read_file("edit/dup.py") == b"x = 1\ny = 2\nx = 1\n"
     assert call(sb, "edit", path="edit/dup.py", old_str="x = 1\ny", new_str="x = 7\ny").ok
     assert sb.read_file("edit/dup.py") == b"x = 7\ny = 2\nx = 1\n"
+
+
+@pytest.mark.docker
+def test_edit_on_a_line_replaces_its_first_occurrence_in_the_task_s_file(sb):
+    sb.write_file("edit/fn.py", "def f(a, b):\n    if a < b < 9:\n        return a < b\n    return 0\n")
+    ctx = ToolContext(config=ToolConfig(), default_path="edit/fn.py")
+    res = call(sb, "edit", ctx, line=3, old_str="<", new_str="<=")
+    assert res.ok and res.output == "line 3: return a <= b"
+    assert sb.read_file("edit/fn.py") == b"def f(a, b):\n    if a < b < 9:\n        return a <= b\n    return 0\n"
+    assert call(sb, "edit", ctx, line=2, old_str="<", new_str=">").output == "line 2: if a > b < 9:"
+    missing = call(sb, "edit", ctx, line=4, old_str="<", new_str=">")
+    assert not missing.ok and "'<' is not on line 4: return 0" in missing.output
+    assert not call(sb, "edit", ctx, line=9, old_str="<", new_str=">").ok
+    assert call(sb, "view", ctx).output.splitlines()[1] == "     2\t    if a > b < 9:"
+    no_file = call(sb, "edit", line=1, old_str="f", new_str="g")
+    assert not no_file.ok and "pass path" in no_file.output
 
 
 @pytest.mark.docker

@@ -44,3 +44,22 @@ def test_bad_task_set_input_is_one_line_naming_the_fix(tmp_path):
     p = _eval(tmp_path, f"tasks={tmp_path / 'nothing'}")
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "no task set at" in p.stderr and "flashpost-factory build" in p.stderr
+
+
+def test_called_tools_reads_the_tool_calls_of_a_sample_s_generated_turns():
+    from model.chat_template import ChatTemplate
+    from model.tokenizer import Tokenizer
+    from rl.evaluate import called_tools
+    from rl.payloads import Trajectory
+
+    template = ChatTemplate(Tokenizer.default())
+
+    def turn(*names):
+        msg = {"role": "assistant", "content": "", "tool_calls": [{"name": n, "arguments": {}} for n in names]}
+        return {"role": "assistant", "content": None, "token_ids": template.generation_ids(msg)}
+
+    transcript = [{"role": "user", "content": "fix it"}, turn("run_tests"), {"role": "tool", "content": "1 failed"},
+                  turn("edit", "run_tests"), {"role": "tool", "content": "ok"},
+                  {"role": "assistant", "content": None, "token_ids": template.tokenizer.encode("no call")}]
+    traj = Trajectory(token_ids=[], loss_mask=[], logprobs=[], versions=[], turn_starts=[], transcript=transcript)
+    assert called_tools(traj, template) == ["run_tests", "edit", "run_tests"]
