@@ -51,6 +51,16 @@ def checkpoint_file(path: str) -> Path:
     return p
 
 
+def episode_record(t) -> dict:
+    """What an episode did, for reports: turns, the tools it called in order, and its reward."""
+    from envs.protocol import parse_tool_calls
+
+    tools = [c.name for m in t.transcript if m.get("role") == "assistant"
+             for c in parse_tool_calls(m.get("content") or "")[0]]  # fmt: skip
+    return {"turns": len(t.turn_starts), "tools": tools, "reward": t.reward,
+            "termination": t.verifier.get("termination"), "generated": t.n_generated}  # fmt: skip
+
+
 def _summary(rows: list[dict]) -> dict:
     keys = ("pass@1", "pass@k")
     return {"tasks": len(rows), **{k: sum(r[k] for r in rows) / len(rows) if rows else float("nan") for k in keys}}
@@ -86,7 +96,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
                              "source": row.source.get("repo") or row.source.get("generator", ""),
                              "samples": len(graded), "passed": c, "infra_failed": len(trajs) - len(graded),
                              "pass@1": pass_at_k(len(graded), c, 1), "pass@k": pass_at_k(len(graded), c, cfg.k),
-                             "rewards": [t.reward for t in graded]})  # fmt: skip
+                             "rewards": [t.reward for t in graded],
+                             "episodes": [episode_record(t) for t in graded]})  # fmt: skip
 
     try:
         asyncio.run(run())
