@@ -75,8 +75,8 @@ def _checkpoint(run_dir: Path, stage: str) -> str:
 class Demo:
     """The stages of one demo run: `stages()` in order, each `fn(stage_dir) -> summary`."""
 
-    def __init__(self, demo: DemoConfig, run_dir: Path):
-        self.cfg, self.run_dir = demo, Path(run_dir)
+    def __init__(self, demo: DemoConfig, run_dir: Path, dashboard_url: str | None = None):
+        self.cfg, self.run_dir, self.dashboard_url = demo, Path(run_dir), dashboard_url
 
     # ------------------------------------------------------------------ factory
     def _factory(self, args: list[str], stage_dir: Path) -> dict:
@@ -163,6 +163,8 @@ class Demo:
         if job.trainer.kind in ("rl", "opd"):
             from rl.rl_loop import run_async
 
+            if stage == "rl":
+                self._screenshot_later()
             history = run_async(job, stage_dir)
         else:
             from rl.sft_loop import run_supervised
@@ -172,6 +174,34 @@ class Demo:
         return {"kind": job.trainer.kind, "steps": job.trainer.max_steps, "steps_this_run": len(history),
                 "last": {k: v for k, v in last.items() if isinstance(v, (int, float))},
                 "checkpoint": _checkpoint(self.run_dir, stage), "load": os.getloadavg()[0]}  # fmt: skip
+
+    def _screenshot_later(self, after_s: float = 90.0) -> None:
+        """While RL runs, a headless Chromium screenshot of the dashboard's Actors page (logged in with the
+        token) into the report folder; skipped, with a line saying why, without a dashboard or Chromium."""
+        import threading
+
+        if not self.dashboard_url or not (shutil.which("chromium") or shutil.which("chromium-browser")):
+            print("[demo] no dashboard screenshot: needs the dashboard and Chromium (bash infra/ensure_chromium.sh)")
+            return
+        out = self.run_dir / "report" / "dashboard_actors.png"
+
+        def shoot() -> None:
+            import importlib.util
+
+            path = Path(__file__).resolve().parent.parent / "infra" / "dashboard_screenshot.py"
+            spec = importlib.util.spec_from_file_location("dashboard_screenshot", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                module.screenshot(self.dashboard_url, out)
+                print(f"[demo] dashboard Actors page while RL runs: {out}", flush=True)
+            except Exception as e:  # the screenshot is a view of the run, never a reason to stop it
+                print(f"[demo] dashboard screenshot failed: {e}", flush=True)
+
+        timer = threading.Timer(after_s, shoot)
+        timer.daemon = True
+        timer.start()
 
     @staticmethod
     def _gauge(stage: str, report: dict) -> None:
@@ -197,7 +227,7 @@ def run_demo(job: JobConfig, run_dir: Path, dashboard_url: str | None = None) ->
     """Run (or resume) every stage, then write the report; returns make_report's dict."""
     from rl.demo_report import make_report
 
-    demo = Demo(job.demo, run_dir)
+    demo = Demo(job.demo, run_dir, dashboard_url)
     print(f"[demo] run folder: {run_dir.resolve()}; the jobs' commands: {run_dir / 'commands.md'}")
     write_json_atomic(run_dir / "demo.json", {"dashboard_url": dashboard_url, "seed": job.demo.seed})
     stages = demo.stages()

@@ -37,8 +37,7 @@ class DemoConfig:
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
     jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=4")
-    train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",
-                             "++trainer.micro_batch_tokens=8192", "++trainer.global_batch_tokens=8192")
+    train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false")
     eval: list[str] = _list()  # flashpost-eval overrides beyond samples=k=eval_samples
     # SFT on the demonstrations of every train task (families A and the sample repository's)
     sft: list[str] = _list("trainer=sft", "++trainer.batch_size=8",
