@@ -29,10 +29,10 @@ class DemoConfig:
     families_budget: int = 48
     # each training job's steps (its trainer.max_steps) and each evaluation's episodes per held-out task
     # (pass@1 is their mean; pass@k uses k = eval_samples)
-    sft_steps: int = 60
-    rl_steps: int = 16
-    student_sft_steps: int = 40
-    opd_steps: int = 8
+    sft_steps: int = 40
+    rl_steps: int = 8
+    student_sft_steps: int = 20
+    opd_steps: int = 4
     eval_samples: int = 2
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
@@ -40,8 +40,8 @@ class DemoConfig:
     train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false")
     eval: list[str] = _list()  # flashpost-eval overrides beyond samples=k=eval_samples
     # SFT on the demonstrations of every train task (families A and the sample repository's)
-    sft: list[str] = _list("trainer=sft", "++trainer.batch_size=8",
-                           "++trainer.checkpoint_every=20", "++trainer.optim.lr=2e-3", "++trainer.optim.muon_lr=0.02")
+    sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4",
+                           "++trainer.checkpoint_every=10", "++trainer.optim.lr=2e-3", "++trainer.optim.muon_lr=0.02")
     # RL from the SFT policy on family B (tests only), DEMO_NOTES' recipe: T = 0.7 with log-probs at T,
     # groups of 8, zero-spread groups skipped (rl/advantages.py), lag 1
     rl: list[str] = _list("trainer=rl", "++trainer.checkpoint_every=4",
@@ -50,8 +50,8 @@ class DemoConfig:
                           "++trainer.optim.muon_lr=2e-3")
     # the student: the policy at half width (same vocabulary, so OPD compares whole distributions)
     student: list[str] = _list("++model.overrides.dim=64", "++model.overrides.moe_inter_dim=64")
-    student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=8",
-                                   "++trainer.checkpoint_every=20", "++trainer.optim.lr=2e-3",
+    student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4",
+                                   "++trainer.checkpoint_every=10", "++trainer.optim.lr=2e-3",
                                    "++trainer.optim.muon_lr=0.02")
     # OPD continues from the SFT-only student towards the RL'd policy (the teacher: `teacher_model`)
     opd: list[str] = _list("trainer=opd", "++trainer.checkpoint_every=4",
