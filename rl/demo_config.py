@@ -37,7 +37,11 @@ class DemoConfig:
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
     jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=4")
-    train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false")
+    # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x
+    # group_size = 32): an episode waiting for a sandbox slot blocks one of the rollout worker's few executor
+    # threads, and enough of them starve the episodes that hold the slots
+    train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",
+                             "++env.max_concurrent=32")
     eval: list[str] = _list()  # flashpost-eval overrides beyond samples=k=eval_samples
     # SFT on the demonstrations of every train task (families A and the sample repository's)
     sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4",
