@@ -88,7 +88,8 @@ class Demo:
         if rc != 0:
             raise RuntimeError(f"flashpost-factory {' '.join(args)} exited {rc}; see its output above")
         ts = taskset.load(stage_dir / "taskset")
-        return {"tasks": len(ts.tasks), "demonstrations": len(ts.demos), "command": " ".join(args)}
+        return {"tasks": len(ts.tasks), "demonstrations": len(ts.demos), "command": " ".join(args),
+                "load": os.getloadavg()[0]}
 
     def factory_sample(self, stage_dir: Path) -> dict:
         c = self.cfg
@@ -117,7 +118,8 @@ class Demo:
         counts: dict[str, int] = {}
         for r in ts.tasks:
             counts[f"{r.family}/{r.split}"] = counts.get(f"{r.family}/{r.split}", 0) + 1
-        return {"tasks": len(ts.tasks), "demonstrations": len(ts.demos), "by_family_split": counts}
+        return {"tasks": len(ts.tasks), "demonstrations": len(ts.demos), "by_family_split": counts,
+                "load": os.getloadavg()[0]}
 
     # ------------------------------------------------------------------ jobs
     def _student(self, stage: str) -> list[str]:

@@ -160,8 +160,9 @@ def make_report(run_dir: Path, out: Path) -> dict:
         lines.append(f"| {n} | {d['seconds']:.0f} | {_fmt(d['summary'].get('load'), '.1f')} |")
     url = demo.get("dashboard_url")
     lines += ["", "## Watching a run", "",
-              f"Ray dashboard: {url or 'off (cluster.include_dashboard=false)'}; the demo's actors are on its Actors "
-              "page and the `flashpost_*` metrics on its Metrics page. TensorBoard: "
+              f"Ray dashboard: {url or 'off (cluster.include_dashboard=false)'}; Ray's token authentication is on, "
+              "so it asks for the token in `~/.ray/auth_token` (`ray get-auth-token`). The demo's actors are on its "
+              "Actors page and the `flashpost_*` metrics on its Metrics page. TensorBoard: "
               f"`tensorboard --logdir {run_dir}` (each training job writes `<job>/tb`)."]  # fmt: skip
     if (out / "dashboard_actors.png").exists():
         lines += ["", "![Ray dashboard, actors page](dashboard_actors.png)"]
