@@ -70,3 +70,14 @@ def test_demo_killed_midway_resumes(engine_ready, tmp_path):
     assert commands.count("`sft`") == 1 and "flashpost-train" in commands and "flashpost-eval" in commands
     report = (run_dir / "report" / "report.md").read_text()
     assert "Held-out pass@1" in report and "| base |" in report and "| sft |" in report
+
+
+def test_opd_teacher_has_its_own_architecture():
+    # the demo distils the RL'd policy into a half-width student: trainer.teacher_model builds the teacher
+    from rl.actors import TeacherActor
+    from rl.config import ModelChoice, TrainerConfig
+
+    wide = ModelChoice(flavor="tiny", overrides={"n_layers": 4})
+    student = ModelChoice(flavor="tiny", overrides={"n_layers": 4, "dim": 64, "moe_inter_dim": 64})
+    assert TeacherActor(student, TrainerConfig(kind="opd", teacher_model=wide)).model.args.dim == wide.build_args().dim
+    assert TeacherActor(student, TrainerConfig(kind="opd")).model.args.dim == student.build_args().dim
