@@ -70,7 +70,7 @@ from model.transformer import Transformer, make_engram_inputs  # noqa: E402
 
 # (prompt_len, new_tokens) per flavor. The engine runs on the shipped default tokenizer (tiny's), so
 # debug and small (sized for the released one) take its vocabulary, Engram compressed vocabulary and
-# special ids, as the demo's policies do (rl.demo_learning.demo_args).
+# special ids (model.config.default_tokenizer_fit).
 DEFAULTS = {"debug": (64, 32), "tiny": (256, 32), "small": (2048, 128)}
 OVERRIDES = {f: default_tokenizer_fit() for f in ("debug", "small")}
 

@@ -33,7 +33,7 @@ bit-reproducible (asynchronous rollouts with lag 1): seed 2 gave 0.70 in another
 
 One JSON line per seed ({seed, before, after, delta, run_s, ...}), then a summary line (mean before,
 mean after, per-seed deltas, their spread) with the load average, since the machine may be shared.
-Not here: the RL machinery itself (rl/), the demo's code-repair families (bench/demo_learning.py).
+Not here: the RL machinery itself (rl/), the demo (`make demo`, rl/demo.py).
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ class TeacherActor:
 
     def __init__(self, model: ModelChoice, trainer: TrainerConfig, threads: int = 1):
         torch.set_num_threads(threads)
-        self.model, _ = build_model(model, seed=trainer.teacher_seed)
+        self.model, _ = build_model(trainer.teacher_model or model, seed=trainer.teacher_seed)
         if trainer.teacher_checkpoint:
             from model.checkpoint import load_checkpoint
 

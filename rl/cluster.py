@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # Ray reads these at import time and when it spawns its daemons, so they are set on import of
 # this module, before any `import ray` below.
@@ -92,7 +93,20 @@ def start_or_join(cfg: ClusterConfig, *, quiet: bool = False) -> RayHandle:
         url = f"http://{url}"
     print(f"[flashpost] Ray {'started' if started else 'joined'} at {ctx.address_info['gcs_address']}"
           + (f"; dashboard: {url}" if url else "; dashboard off"), flush=True)
+    if url and (hint := dashboard_login_hint()):
+        print(f"[flashpost] {hint}", flush=True)
     return RayHandle(address=ctx.address_info["gcs_address"], dashboard_url=url, started_here=started)
+
+
+def dashboard_login_hint() -> str | None:
+    """How to get into a dashboard with Ray's token authentication on (its API answers 401 without the
+    token); None when it is off."""
+    token_path = Path.home() / ".ray" / "auth_token"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return None
+    where = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(token_path)
+    return (f"the dashboard asks for Ray's authentication token: paste the contents of {where} "
+            "(`ray get-auth-token` prints it); API clients send it as `Authorization: Bearer <token>`")
 
 
 def shutdown(handle: RayHandle) -> None:

@@ -152,6 +152,9 @@ class TrainerConfig:
     teacher_ship: str = "hidden"  # OPD: the teacher returns "hidden" states + its head, or full "logits"
     teacher_seed: int = 1  # OPD teacher weights when no teacher_checkpoint is given
     teacher_checkpoint: str | None = None
+    # OPD: the teacher's architecture when it differs from the student's (`+model@trainer.teacher_model=NAME`
+    # picks a conf/model/ option); None = the student's `model:`
+    teacher_model: ModelChoice | None = None
     init_checkpoint: str | None = None  # rl/opd: start from these weights (a model.safetensors, e.g. of SFT)
     balance_alpha: float = 1e-4
     expert_bias_rate: float = 1e-3

@@ -51,20 +51,18 @@ def checkpoint_file(path: str) -> Path:
     return p
 
 
+def episode_record(t, template) -> dict:
+    """What an episode did, for reports: turns, the tools it called in order (parsed from its generated
+    tokens as the episode parsed them), and its reward."""
+    tools = [c.name for m in t.transcript if m.get("role") == "assistant" and m.get("token_ids")
+             for c in template.parse_assistant(m["token_ids"]).tool_calls]  # fmt: skip
+    return {"turns": len(t.turn_starts), "tools": tools, "reward": t.reward,
+            "termination": t.verifier.get("termination"), "generated": t.n_generated}  # fmt: skip
+
+
 def _summary(rows: list[dict]) -> dict:
     keys = ("pass@1", "pass@k")
     return {"tasks": len(rows), **{k: sum(r[k] for r in rows) / len(rows) if rows else float("nan") for k in keys}}
-
-
-def called_tools(traj, template) -> list[str]:
-    """The tools a sample called, in order (turns per episode and the tool-call mix)."""
-    from envs.protocol import parse_tool_calls
-
-    names = []
-    for m in traj.transcript:
-        if m["role"] == "assistant" and m.get("token_ids"):
-            names += [c.name for c in parse_tool_calls(template.tokenizer.decode(m["token_ids"]))[0]]
-    return names
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
@@ -75,7 +73,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     ts = read(cfg.tasks, cfg.task_filter, cfg.split, progress=progress)
     payloads = episode_tasks(ts.tasks)
     worker = RolloutWorker(cfg.model, cfg.rollout, cfg.env)
-    policy, _ = build_model(cfg.model, seed=cfg.init_seed)
+    policy, template = build_model(cfg.model, seed=cfg.init_seed)
     if cfg.checkpoint:
         from model.checkpoint import load_checkpoint
 
@@ -98,7 +96,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
                              "samples": len(graded), "passed": c, "infra_failed": len(trajs) - len(graded),
                              "pass@1": pass_at_k(len(graded), c, 1), "pass@k": pass_at_k(len(graded), c, cfg.k),
                              "rewards": [t.reward for t in graded],
-                             "tool_calls": [called_tools(t, worker.template) for t in graded]})  # fmt: skip
+                             "episodes": [episode_record(t, template) for t in graded]})  # fmt: skip
 
     try:
         asyncio.run(run())

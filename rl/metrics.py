@@ -85,44 +85,23 @@ class RunMetrics:
         self.jsonl.close()
 
 
-# The demo's numbers (rl/demo_stages.py) in the Ray dashboard, tagged by stage: record key -> (Ray
-# metric name, description). The demo's loops are not RunMetrics drivers (no TensorBoard or JSONL of
-# their own: each stage's done.json keeps its log), so they get only these gauges.
-DEMO_GAUGES: dict[str, tuple[str, str]] = {
-    "loss": ("flashpost_demo_sft_loss", "SFT loss (the policy's or the student's stage)"),
-    "tok_s": ("flashpost_demo_train_tokens_per_s", "SFT training tokens per second"),
-    "dspark_acceptance": ("flashpost_demo_dspark_acceptance", "DSpark drafter acceptance (training or decoding)"),
-    "reward_recent": ("flashpost_demo_rl_reward", "mean sampled reward of the last 20 RL steps"),
-    "samples_s": ("flashpost_demo_rl_samples_per_s", "RL samples per second (generated and graded)"),
-    "updates": ("flashpost_demo_rl_updates", "RL updates so far"),
-    "reverse_kl": ("flashpost_demo_opd_reverse_kl", "OPD reverse KL(student, teacher) per token"),
-    "sampled_tok_s": ("flashpost_demo_opd_sampled_tokens_per_s", "OPD student tokens sampled per second"),
-    "step": ("flashpost_demo_step", "the stage's step"),
-}
-DEMO_PASS_AT_1 = ("flashpost_demo_heldout_pass_at_1", "greedy held-out pass@1 after the stage, per family")
+# The demo's own number in the Ray dashboard: held-out pass@1 of each evaluation stage, per family (the
+# trainers' numbers are RunMetrics' gauges above, whatever job runs them).
+DEMO_PASS_AT_1 = ("flashpost_demo_heldout_pass_at_1", "held-out pass@1 after the stage, per family")
 
 
 class DemoGauges:
-    """Ray gauges of the demo's stages; every method is a no-op without a connected Ray instance
-    (the demo's tests call stages directly)."""
+    """The demo's held-out pass@1 gauge; a no-op without a connected Ray instance."""
 
     def __init__(self) -> None:
         import ray
 
-        self.on = ray.is_initialized()
-        self.gauges, self.pass_at_1 = {}, None
-        if self.on:
+        self.pass_at_1 = None
+        if ray.is_initialized():
             from ray.util.metrics import Gauge
 
-            self.gauges = {k: Gauge(n, description=d, tag_keys=("stage",)) for k, (n, d) in DEMO_GAUGES.items()}
             self.pass_at_1 = Gauge(DEMO_PASS_AT_1[0], description=DEMO_PASS_AT_1[1], tag_keys=("stage", "family"))
 
-    def record(self, stage: str, record: dict) -> None:
-        for k, g in self.gauges.items():
-            v = record.get(k)
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                g.set(float(v), tags={"stage": stage})
-
     def held_out(self, stage: str, family: str, pass_at_1: float) -> None:
-        if self.pass_at_1 is not None:
+        if self.pass_at_1 is not None and math.isfinite(pass_at_1):
             self.pass_at_1.set(float(pass_at_1), tags={"stage": stage, "family": family})

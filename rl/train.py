@@ -44,18 +44,18 @@ def main(cfg: DictConfig) -> None:
     apply_local_env()
     handle = start_or_join(job.cluster)
     try:
-        _run(job, run_dir)
+        _run(job, run_dir, handle.dashboard_url)
     except TaskSetError as e:  # bad task-set input: the message names the fix; no traceback
         raise SystemExit(f"error: {e}") from None
     finally:
         shutdown(handle)
 
 
-def _run(job: JobConfig, run_dir: Path) -> None:
+def _run(job: JobConfig, run_dir: Path, dashboard_url: str | None) -> None:
     if job.entry == "demo":
         from rl.demo import run_demo
 
-        run_demo(job, run_dir)
+        run_demo(job, run_dir, dashboard_url)
     elif job.trainer.kind in ("rl", "opd"):
         from rl.rl_loop import run_async
 

@@ -14,10 +14,8 @@
 # most $DEMO_TIMEOUT_S seconds (default 500: with the 30 s kill grace and the copy it stays inside one
 # 600 s call), then packs every stage's done.json, the logs and report/ into $OUT/demo-small.tgz (one
 # file: the device tool returns only so many) and copies report.md beside it.
-# The stage budgets below are wall-clock caps for one H200 (step budgets off) that fit two calls of the
-# lent machine; 48 held-out instances per family, because the engine's decode of `small` is launch-bound
-# (~0.1 s per forward) and held-out prompts of distinct lengths decode as separate forwards. Extra
-# arguments are Hydra overrides (e.g. demo.rl.seconds=200).
+# The demo's step budgets are the defaults (rl/demo_config.py); extra arguments are Hydra overrides
+# (e.g. demo.rl_steps=40). Not yet run on the H200 with the chained jobs.
 set -uo pipefail
 ROOT=$(pwd)
 SITE=${GPU_DOCKER_SITE:-/tmp/site}
@@ -42,12 +40,13 @@ export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
 t0=$(date +%s)
-timeout -s INT -k 30 "${DEMO_TIMEOUT_S:-500}" python3 -m rl.train experiment=demo model=small cluster=h200 \
-    run_dir="$RUN_DIR" demo.n_heldout=48 demo.n_acceptance=4 \
-    demo.sft.steps=0 demo.sft.seconds=90 \
-    demo.rl.steps=0 demo.rl.seconds=100 \
-    demo.student_sft.steps=0 demo.student_sft.seconds=45 \
-    demo.opd.steps=0 demo.opd.seconds=50 demo.opd.prompts_per_step=4 demo.opd.samples=4 \
+# every job of the chain gets model=small (the student at half width, the OPD teacher small) and the
+# training jobs cluster=h200 (their actors' GPU shares)
+timeout -s INT -k 30 "${DEMO_TIMEOUT_S:-500}" python3 -m rl.train experiment=demo cluster=h200 \
+    run_dir="$RUN_DIR" demo.teacher_model=small \
+    'demo.jobs=["model=small","++rollout.prefill_mode=ced","++rollout.max_turns=4"]' \
+    'demo.train=["cluster=h200","++trainer.simulate_replay=true","++env.max_concurrent=32"]' \
+    'demo.student=["++model.overrides.dim=512","++model.overrides.moe_inter_dim=256"]' \
     "$@" 2>&1 | tee -a "$RUN_DIR/demo.log"
 rc=${PIPESTATUS[0]}
 say "demo exit code $rc after $(( $(date +%s) - t0 )) s (124: the time limit; run again to resume)"

@@ -10,10 +10,6 @@ import statistics
 
 import pytest
 
-from model.chat_template import ChatTemplate
-from model.engine import Generation
-from model.tokenizer import Tokenizer
-from rl.demo_learning import action_of
 from synth.families import (
     TEMPLATES,
     action_ruled_out,
@@ -101,18 +97,6 @@ def test_renaming_is_random_and_test_file_imports_the_renamed_function():
     assert a is not None and b is not None and a.correct != b.correct
     src = render_tests(a)
     assert f"from fam.x1 import {a.func}" in src and src.count("def test_") == len(a.tests)
-
-
-def test_action_round_trips_through_the_chat_template(sets):
-    template = ChatTemplate(Tokenizer.default())
-    inst = sets["A_train"][0]
-    chat = template.render([{"role": "user", "content": inst.prompt}, {"role": "assistant", "content": inst.action}])
-    span = chat.turn_spans[-1]
-    generated = chat.token_ids[span.body_start : span.end]
-    assert all(chat.loss_mask[span.body_start : span.end]) and not any(chat.loss_mask[: span.body_start])
-    assert template.parse_assistant(generated).content == inst.action
-    gen = Generation(generated, [], "stop", template.tokenizer.decode(generated), [], 0)
-    assert action_of(template, gen) == inst.action
 
 
 def test_a_ruled_out_prefix_never_becomes_an_action():

@@ -9,7 +9,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rl.config import FactoryJobConfig, JobConfig, register_schemas, to_factory_config, to_job_config
+from rl.config import (
+    FactoryJobConfig,
+    JobConfig,
+    register_schemas,
+    to_eval_config,
+    to_factory_config,
+    to_job_config,
+)
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 register_schemas()  # as the entry point does (rl/train.py)
@@ -46,30 +53,36 @@ def test_experiments_convert(experiment):
     assert isinstance(job, JobConfig)
 
 
-def test_demo_follows_model_and_seed_and_types_its_budgets():
-    """experiment=demo: the demo policy is `model:` (swappable), its seed trainer.seed, every DemoConfig
-    field is overridable and type-checked; a flavor sized for the released tokenizer is fitted to the
-    shipped one (rl.demo_learning.demo_args)."""
+def test_demo_is_typed_and_its_jobs_compose():
+    """experiment=demo: its seed is trainer.seed, DemoConfig's fields are typed on the command line, and
+    every job it runs composes from the job's own primary config into a valid typed config: the demo's
+    policy (an encoder/decoder split with a Reindex layer, QAT, Engram, DSpark, CED prefill with its
+    simulation in training), the half-width student and OPD's teacher of the policy's architecture."""
     from hydra.errors import ConfigCompositionException
 
-    from model.config import get_flavor
+    from model.ced import check_ced
+    from rl.demo import compose as job_config
     from rl.demo_config import DemoConfig
-    from rl.demo_learning import demo_args
 
-    job = to_job_config(_compose("train", ["experiment=demo"]))
-    demo = job.demo
-    assert (job.entry, demo.flavor, demo.overrides, demo.seed) == ("demo", "tiny", {"n_layers": 4, "hc_mult": 2}, 0)
-    assert job.demo.rl == DemoConfig().rl and job.demo.device == "auto"  # DemoConfig's defaults, not repeated in YAML
-    overrides = ["experiment=demo", "model=small", "trainer.seed=3", "demo.rl.seconds=5", "demo.device=cpu"]
-    job = to_job_config(_compose("train", overrides))
-    assert (job.demo.flavor, job.demo.overrides, job.demo.seed, job.demo.rl.seconds) == ("small", {}, 3, 5.0)
-    args = demo_args(job.demo.flavor, job.demo.overrides)
-    assert args.dim == get_flavor("small").dim and args.vocab_size == get_flavor("tiny").vocab_size
-    assert demo_args(job.demo.flavor, job.demo.overrides, shrink=2).dim == args.dim // 2
-    with pytest.raises(ConfigCompositionException, match="demo.rl.seconds"):  # typed at composition
-        _compose("train", ["experiment=demo", "demo.rl.seconds=soon"])
-    with pytest.raises(ValueError, match="demo.device"):
-        to_job_config(_compose("train", ["experiment=demo", "demo.device=tpu"]))
+    job = to_job_config(_compose("train", ["experiment=demo", "trainer.seed=3", "demo.rl_steps=5"]))
+    assert (job.entry, job.demo.seed, job.demo.rl_steps, job.demo.sft) == ("demo", 3, 5, DemoConfig().sft)
+    with pytest.raises(ConfigCompositionException, match="demo.rl_steps"):  # typed at composition
+        _compose("train", ["experiment=demo", "demo.rl_steps=soon"])
+    d = DemoConfig()
+    policy = to_job_config(job_config("train", [*d.jobs, *d.train, *d.rl]))
+    assert (policy.trainer.kind, policy.rollout.prefill_mode, policy.trainer.simulate_replay) == ("rl", "ced", True)
+    assert policy.task_filter.families == ["B"] and policy.rollout.temperature == 0.7
+    args = policy.model.build_args()
+    check_ced(args)
+    roles = [r["role"] for r in args.role_table()[: args.n_layers]]
+    assert "reindex" in roles[args.n_encoder_layers :] and args.qat and args.engram_layer_ids and args.dspark_enabled
+    assert args.window_size < 1000  # the decoder's bounded replay is shorter than an episode's ~1100-token prompt
+    opd = to_job_config(job_config("train", [*d.jobs, *d.train, *d.student, *d.opd,
+                                          f"+model@trainer.teacher_model={d.teacher_model}"]))  # fmt: skip
+    assert opd.trainer.kind == "opd" and opd.model.build_args().dim == args.dim // 2
+    assert opd.trainer.teacher_model.build_args().dim == args.dim
+    ev = to_eval_config(job_config("eval", [*d.jobs, *d.eval]))
+    assert ev.model == policy.model and ev.rollout.prefill_mode == "ced"
 
 
 def test_factory_converts():

@@ -46,10 +46,10 @@ def test_bad_task_set_input_is_one_line_naming_the_fix(tmp_path):
     assert "no task set at" in p.stderr and "flashpost-factory build" in p.stderr
 
 
-def test_called_tools_reads_the_tool_calls_of_a_sample_s_generated_turns():
+def test_episode_record_reads_the_tool_calls_of_a_sample_s_generated_turns():
     from model.chat_template import ChatTemplate
     from model.tokenizer import Tokenizer
-    from rl.evaluate import called_tools
+    from rl.evaluate import episode_record
     from rl.payloads import Trajectory
 
     template = ChatTemplate(Tokenizer.default())
@@ -61,5 +61,7 @@ def test_called_tools_reads_the_tool_calls_of_a_sample_s_generated_turns():
     transcript = [{"role": "user", "content": "fix it"}, turn("run_tests"), {"role": "tool", "content": "1 failed"},
                   turn("edit", "run_tests"), {"role": "tool", "content": "ok"},
                   {"role": "assistant", "content": None, "token_ids": template.tokenizer.encode("no call")}]
-    traj = Trajectory(token_ids=[], loss_mask=[], logprobs=[], versions=[], turn_starts=[], transcript=transcript)
-    assert called_tools(traj, template) == ["run_tests", "edit", "run_tests"]
+    traj = Trajectory(token_ids=[], loss_mask=[], logprobs=[], versions=[], turn_starts=[], transcript=transcript,
+                      reward=1.0)
+    record = episode_record(traj, template)
+    assert record["tools"] == ["run_tests", "edit", "run_tests"] and record["reward"] == 1.0
