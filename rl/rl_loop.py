@@ -190,7 +190,8 @@ class AsyncDriver:
                 job.model, job.trainer)
 
     def _new_worker(self, index: int):
-        return self._worker_cls.remote(self.job.model, self.job.rollout, self.job.env, index)
+        return self._worker_cls.remote(self.job.model, self.job.rollout, self.job.env, index,
+                                       record_routing=self.job.trainer.routing_replay)
 
     def close(self) -> None:
         import ray
