@@ -84,7 +84,8 @@ def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
     r = job.rollout
     out = {"feature_ced": float(r.prefill_mode == "ced"), "feature_prefix_cache": float(r.prefix_cache),
            "feature_packed_cache": float(r.packed_cache), "feature_speculative": float(r.speculative),
-           "feature_simulate_replay": float(bool(job.trainer.simulate_replay))}  # fmt: skip
+           "feature_simulate_replay": float(bool(job.trainer.simulate_replay)),
+           "feature_routing_replay": float(job.trainer.routing_replay)}  # fmt: skip
     started = [t for t in trajs if t.rollout_stats]
     if not started:
         return out
