@@ -12,11 +12,18 @@ Turn k of a row is (N_k, T_k) in row coordinates: N_k = the prompt end (Generati
 Trajectory's turn_starts[k] plus the document's row offset), T_k = N_k + tokens generated in the turn
 (`turn_spans` derives them from a Trajectory's turn_starts and loss_mask). `replay_forward` takes a
 packed learner batch's per-document turn starts (rl/learner.py's `trainer.simulate_replay`).
+
+Routing replay (`routing=` [B,S,n_layers,K], as an engine with record_routing=True recorded it, -1 rows
+routed afresh): the encoder layers are forced over the whole rows, the decoder layers per segment. The
+engine records a token's decoder experts once, in the turn that fed it, so turn k's segment forces only
+the positions turn k fed (from the previous turn's last generated token, T_{k-1} - 1, or the document
+start); the earlier positions it replays were routed afresh by the engine and are here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +32,7 @@ import torch
 from model.attention import LayerCache, build_packed_layout
 from model.ced import check_ced, project_decoder_bank, replay_decoder, replay_start
 from model.config import ModelArgs
-from model.moe import RouterStats
+from model.moe import RouterStats, routing_replay
 from model.transformer import Streams, Transformer, TransformerOutput
 
 Turn = tuple[int, int]
@@ -65,16 +72,20 @@ def simulated_forward(
     image_mask: torch.Tensor | None = None,
     compute_indexer_loss: bool | None = None,
     engram_inputs: dict[str, Any] | None = None,
+    routing: torch.Tensor | None = None,
 ) -> SimulatedOutput:
     """The CED rollout plan as a teacher-forced forward. input_ids [B,S]; turns[b]: row b's turns
     (N_k, T_k), row coordinates, each inside one document (doc_ids as in `Transformer.forward`).
-    Positions are document-relative, as in the engine's session of that document."""
+    Positions are document-relative, as in the engine's session of that document. routing: the
+    rollout's recorded experts [B,S,n_layers,K] to replay (module docstring), or None."""
     a = model.args
     check_ced(a)
     E, W = a.n_encoder_layers, a.window_size
     B, S = input_ids.shape
     if len(turns) != B:
         raise ValueError(f"{len(turns)} turn lists for {B} rows")
+    if routing is not None and routing.shape[:3] != (B, S, a.n_layers):
+        raise ValueError(f"routing {tuple(routing.shape)} must be [{B}, {S}, {a.n_layers}, K] for input_ids {(B, S)}")
     if compute_indexer_loss is None:
         compute_indexer_loss = torch.is_grad_enabled()
     engram_inputs = model._engram_inputs(input_ids, image_mask, doc_ids, engram_inputs)
@@ -84,23 +95,32 @@ def simulated_forward(
     layout = build_packed_layout(doc_ids, W, model.ratios, a.candidate_block_size)
     ctx = model._context(layout, compute_indexer_loss)
     enc = model.start_streams(model._embed(input_ids, None, None, 0))
-    model.run_layers(enc, range(E), ctx, None, image_mask, engram_inputs)
+    with _forced(None if routing is None else routing[:, :, :E], range(E)):
+        model.run_layers(enc, range(E), ctx, None, image_mask, engram_inputs)
     bank_kv, bank_k = project_decoder_bank(model, enc, ctx, None)
     losses = list(ctx.state.indexer_losses)
     doc_start = _doc_starts(doc_ids)
 
     segments = []  # (row, lo, hi, own_lo, own_hi, x, main_hidden, stats)
     for b, row_turns in enumerate(turns):
+        prev_doc, prev_end = -1, 0
         for n_k, t_k in row_turns:
             d = int(doc_start[b, n_k - 1])
             if not (0 < n_k <= t_k <= S) or n_k - 1 < d or int(doc_start[b, t_k - 1]) != d:
                 raise ValueError(f"row {b}: turn {(n_k, t_k)} is not inside one document of {S} tokens")
             lo = d + replay_start(n_k - d, W)
+            fed = d if d != prev_doc else max(d, prev_end - 1)  # the first position this turn fed
+            prev_doc, prev_end = d, t_k
+            seg_routing = None
+            if routing is not None:
+                seg_routing = routing[b : b + 1, lo:t_k, E:].clone()
+                seg_routing[:, : max(0, fed - lo)] = -1
             caches = [LayerCache() for _ in range(a.n_layers)]
             caches[E] = LayerCache(ratio=1, compress_kv=bank_kv[b : b + 1, d:t_k], index_k=bank_k[b : b + 1, d:t_k])
             seg = Streams(enc.h[b : b + 1, lo:t_k], enc.pre_mix[b : b + 1, lo:t_k])
             mask = None if image_mask is None else image_mask[b : b + 1, lo:t_k]
-            seg_ctx = replay_decoder(model, seg, lo - d, caches, image_mask=mask, indexer_loss=compute_indexer_loss)
+            with _forced(seg_routing, range(E, a.n_layers)):
+                seg_ctx = replay_decoder(model, seg, lo - d, caches, image_mask=mask, indexer_loss=compute_indexer_loss)
             losses += seg_ctx.state.indexer_losses
             x, main_hidden = model.collapse(seg)
             segments.append((b, lo, t_k, n_k - 1, t_k - 1, x[0], main_hidden, seg.stats))
@@ -115,16 +135,20 @@ def replay_forward(
     *,
     loss_mask: torch.Tensor | None = None,
     compute_indexer_loss: bool | None = None,
+    routing: torch.Tensor | None = None,
 ) -> SimulatedOutput:
     """`simulated_forward` for packed learner batches (rl.payloads.TrainBatch): turn_starts[b][d] are
     document d's turn starts relative to its start (documents d = 0, 1, .. of row b as doc_ids number
     them, padding -1). Turn k ends where its run of generated tokens in `loss_mask` [B,S] ends; without
     a mask at the next turn's start (or the document's end), which leaves the log-probs of generated
-    tokens unchanged (the decoder is causal) and only adds the tool tokens to the decoder work.
+    tokens unchanged (the decoder is causal) and only adds the tool tokens to the decoder work; routing
+    replay (`routing`, TrainBatch.routing) needs the mask, for each turn's first fed position.
     `model` may be wrapped (a DeepSpeed engine: its `.module` is used, ZeRO stage 0)."""
     model = getattr(model, "module", model)
     if turn_starts is None:
         raise ValueError("replay_forward needs the batch's turn_starts (rl.payloads.pack records them)")
+    if routing is not None and loss_mask is None:
+        raise ValueError("replay_forward with routing needs the batch's loss_mask (where each turn's tokens end)")
     B, S = input_ids.shape
     if doc_ids is None:
         doc_ids = torch.zeros_like(input_ids)
@@ -141,7 +165,14 @@ def replay_forward(
                     end = turn_spans([n], mask)[0][1]
                 row.append((lo + n, lo + end))
         turns.append(row)
-    return simulated_forward(model, input_ids, turns, doc_ids, compute_indexer_loss=compute_indexer_loss)
+    return simulated_forward(
+        model, input_ids, turns, doc_ids, compute_indexer_loss=compute_indexer_loss, routing=routing
+    )
+
+
+def _forced(routing: torch.Tensor | None, layers: range) -> AbstractContextManager:
+    """routing_replay of `layers` (routing [..., len(layers), K]), or nothing without a routing."""
+    return nullcontext() if routing is None else routing_replay(routing, layers)
 
 
 def _doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:

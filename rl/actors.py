@@ -58,8 +58,9 @@ def pack_for_learner(trajs: list[Trajectory], cfg: TrainerConfig, advantages: li
     return pack_trajectories(trajs, max_tokens=cfg.micro_batch_tokens, advantages=advantages, pad_id=pad_id)
 
 
-def build_engine(policy, template, rollout: RolloutConfig, device: torch.device):
-    """The rollout InferenceEngine with the V4.1 inference path switches of `rollout` (rl/config.py)."""
+def build_engine(policy, template, rollout: RolloutConfig, device: torch.device, record_routing: bool = False):
+    """The rollout InferenceEngine with the V4.1 inference path switches of `rollout` (rl/config.py);
+    `record_routing` (trainer.routing_replay) records every token's experts, the engine's CUDA graphs off."""
     from model.engine import InferenceEngine
     from model.prefix_cache import PrefixCache
     from model.speculative import SpeculativeConfig
@@ -72,7 +73,7 @@ def build_engine(policy, template, rollout: RolloutConfig, device: torch.device)
                          "set rollout.speculative=false for this model")
     return InferenceEngine(policy.to(device), template, max_sessions=4096, device=device,
                            prefill_mode=rollout.prefill_mode, prefix_cache=prefix, speculative=spec,
-                           packed_cache=rollout.packed_cache)  # fmt: skip
+                           packed_cache=rollout.packed_cache, record_routing=record_routing)  # fmt: skip
 
 
 def _drafter_changed(engine, weights: dict[str, torch.Tensor]) -> bool:
@@ -216,10 +217,12 @@ class RolloutWorker:
     """An async actor: `rollout_group` calls run concurrently (create with max_concurrency > 1), all
     their episodes share one batched engine. Weights arrive by version (`set_weights`)."""
 
-    def __init__(self, model: ModelChoice, rollout: RolloutConfig, env: EnvConfig | None = None, index: int = 0):
+    def __init__(self, model: ModelChoice, rollout: RolloutConfig, env: EnvConfig | None = None, index: int = 0,
+                 record_routing: bool = False):
         torch.set_num_threads(rollout.threads_per_worker)
         policy, self.template = build_model(model, seed=0)  # placeholder values until the first set_weights
-        self.engine = build_engine(policy, self.template, rollout, actor_device())
+        # record_routing (trainer.routing_replay): trajectories carry their routing for the learner's replay
+        self.engine = build_engine(policy, self.template, rollout, actor_device(), record_routing)
         self.drafter_version = -1  # the policy version whose weights changed the DSpark drafter last
         sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
                                   max_new_tokens=rollout.max_new_tokens)

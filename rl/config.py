@@ -149,6 +149,9 @@ class TrainerConfig:
     # training forward with model/'s simulated decoder replay of each turn's CED prefill, so the learner's
     # log-probs are the rollout's; None: follows rollout.prefill_mode for rl/opd (JobConfig), off otherwise
     simulate_replay: bool | None = None
+    # routing replay: rollout workers record every token's MoE experts (engine record_routing=True, CUDA
+    # graphs off) and the learner's forward routes by them; the indexer still recomputes its top-k
+    routing_replay: bool = False
     teacher_ship: str = "hidden"  # OPD: the teacher returns "hidden" states + its head, or full "logits"
     teacher_seed: int = 1  # OPD teacher weights when no teacher_checkpoint is given
     teacher_checkpoint: str | None = None
@@ -284,6 +287,11 @@ class JobConfig:
                 f"trainer.simulate_replay={self.trainer.simulate_replay} needs rollout.prefill_mode="
                 f"{'ced' if self.trainer.simulate_replay else 'full'} (got {self.rollout.prefill_mode!r}): the "
                 "training forward must simulate what the rollout engine computed"
+            )
+        if self.trainer.routing_replay and self.rollout.agent != "engine":
+            raise ValueError(
+                "trainer.routing_replay=true needs rollout.agent=engine: served episodes do not return the "
+                "engine's recorded routing; set rollout.agent=engine or trainer.routing_replay=false"
             )
 
 

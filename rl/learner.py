@@ -30,7 +30,7 @@ from torch import nn
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_loss
-from model.moe import update_expert_bias
+from model.moe import routing_replay, update_expert_bias
 from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
 from rl.losses import at_temperature, balance_terms, indexer_term, opd_reverse_kl, policy_loss, sft_loss, token_logprobs
@@ -174,7 +174,9 @@ class Learner:
 
     def forward(self, batch: TrainBatch, compute_indexer_loss: bool | None = None) -> TransformerOutput:
         """The training forward of one micro-batch: plain teacher-forced, or with simulated decoder
-        replay per generation turn (`trainer.simulate_replay`, turn starts from the batch)."""
+        replay per generation turn (`trainer.simulate_replay`, turn starts from the batch); with
+        `trainer.routing_replay` the MoE layers route by the rollout's recorded experts (batch.routing)."""
+        routing = self._routing(batch)
         if self.forward_fn is not None:
             return self.forward_fn(
                 self.engine,
@@ -183,8 +185,25 @@ class Learner:
                 batch.turn_starts,
                 loss_mask=batch.loss_mask,
                 compute_indexer_loss=compute_indexer_loss,
+                routing=routing,
             )
-        return self.engine(batch.input_ids, batch.doc_ids, compute_indexer_loss=compute_indexer_loss)
+        if routing is None:
+            return self.engine(batch.input_ids, batch.doc_ids, compute_indexer_loss=compute_indexer_loss)
+        with routing_replay(routing, range(self.model.args.n_layers)):
+            return self.engine(batch.input_ids, batch.doc_ids, compute_indexer_loss=compute_indexer_loss)
+
+    def _routing(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The routing to replay (trainer.routing_replay), None when off. A batch with generated tokens
+        but no recorded routing is refused: its trajectories came from an engine that did not record."""
+        if not self.cfg.routing_replay:
+            return None
+        if batch.routing is None and bool(batch.loss_mask.any()):
+            raise ValueError(
+                "trainer.routing_replay=true but the batch's trajectories carry no routing: roll out with "
+                "an engine built with record_routing=True (RolloutWorker(record_routing=True)) or set "
+                "trainer.routing_replay=false"
+            )
+        return batch.routing
 
     @property
     def world_size(self) -> int:
@@ -220,6 +239,9 @@ class Learner:
             n = FILLER_TOKENS
             dummy = Trajectory(token_ids=[0] * n, loss_mask=[False] + [True] * (n - 1), logprobs=[0.0] * n,
                                versions=[0] * n, turn_starts=[1])  # fmt: skip
+            if self.cfg.routing_replay:  # nothing recorded: routed as usual
+                a = self.model.args
+                dummy.routing = torch.full((n, a.n_layers, a.n_activated_experts), -1, dtype=torch.int32)
             fill = pack_trajectories([dummy], max_tokens=n) * n_fill
         return batches + fill, extras + [None] * n_fill  # fillers take the SFT loss: no teacher output needed
 

@@ -32,7 +32,7 @@ RAY_GAUGES: dict[str, tuple[str, str]] = {
     "dspark_rollout_acceptance": ("flashpost_rollout_dspark_acceptance", "DSpark draft acceptance while decoding"),
     "audit_flagged": ("flashpost_audit_flagged_tasks", "tasks the online audit holds out of sampling"),
     **{f"feature_{f}": (f"flashpost_feature_{f}", f"1 when the run's {f.replace('_', ' ')} is on")
-       for f in ("ced", "prefix_cache", "packed_cache", "speculative", "simulate_replay")},
+       for f in ("ced", "prefix_cache", "packed_cache", "speculative", "simulate_replay", "routing_replay")},
     "dspark_acceptance": ("flashpost_dspark_acceptance", "teacher-forced DSpark draft acceptance"),
     "sandboxes_live": ("flashpost_sandbox_pool_live", "live agent sandboxes"),
     "loss": ("flashpost_loss", "the trainer's main loss"),

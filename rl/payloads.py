@@ -36,6 +36,9 @@ class Trajectory:
     demo            bool             a demonstration (SFT data): loss-mask tokens need no log-prob/version
     transcript      list[dict]       the conversation in chat-template form (assistant turns carry their
                                      generated `token_ids`): rendering it gives token_ids back exactly
+    routing         int32 [T, n_layers, K] or None: each token's MoE experts per backbone layer as the
+                                     rollout engine routed it (record_routing engines, trainer.routing_replay);
+                                     -1 rows: not recorded (routed afresh by the learner)
     """
 
     token_ids: list[int]
@@ -55,6 +58,7 @@ class Trajectory:
     rollout_stats: dict[str, float] = field(default_factory=dict)
     demo: bool = False
     transcript: list[dict[str, Any]] = field(default_factory=list)
+    routing: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +75,8 @@ class Trajectory:
         for i, (m, lp, v) in enumerate(zip(self.loss_mask, self.logprobs, self.versions)):
             if m and not self.demo and (math.isnan(lp) or v < 0):
                 raise ValueError(f"generated token {i} lacks a rollout log-prob or a policy version")
+        if self.routing is not None and (self.routing.dim() != 3 or self.routing.size(0) != n):
+            raise ValueError(f"Trajectory.routing {tuple(self.routing.shape)} must be [{n}, n_layers, K]")
         if self.loss_mask and self.loss_mask[0]:
             raise ValueError("token 0 cannot be generated: it has no context")
         if any(b <= a for a, b in zip(self.turn_starts, self.turn_starts[1:])):
@@ -90,6 +96,7 @@ class Trajectory:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d["routing"] = None if self.routing is None else self.routing.tolist()
         d["logprobs"] = [None if math.isnan(x) else x for x in self.logprobs]  # JSON has no NaN
         return d
 
@@ -97,6 +104,8 @@ class Trajectory:
     def from_json(cls, d: dict[str, Any]) -> Trajectory:
         d = dict(d)
         d["logprobs"] = [math.nan if x is None else float(x) for x in d["logprobs"]]
+        if d.get("routing") is not None:
+            d["routing"] = torch.tensor(d["routing"], dtype=torch.int32)
         return cls(**d)
 
 
@@ -141,6 +150,8 @@ class TrainBatch:
     ref_logprobs   float32 [B,S] or None: reference-policy log-probs for the optional k3 KL term
     turn_starts    per row, per document: its trajectory's turn_starts, relative to the document start
                    (what the simulated decoder replay needs)
+    routing        int32 [B,S,n_layers,K] or None: the trajectories' recorded routing, placed like their
+                   tokens, -1 on padding and on trajectories without one (None: no trajectory has one)
     """
 
     input_ids: torch.Tensor
@@ -153,6 +164,7 @@ class TrainBatch:
     traj_index: list[list[int]]
     ref_logprobs: torch.Tensor | None = None
     turn_starts: list[list[list[int]]] | None = None
+    routing: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -209,6 +221,8 @@ def _build_batch(
     logprobs = torch.zeros(B, S, dtype=torch.float32)
     adv = torch.zeros(B, S, dtype=torch.float32)
     versions = torch.full((B, S), -1, dtype=torch.long)
+    recorded = [trajs[i].routing for members in rows for i in members if trajs[i].routing is not None]
+    routing = None if not recorded else torch.full((B, S, *recorded[0].shape[1:]), -1, dtype=torch.int32)
     for b, members in enumerate(rows):
         pos = 0
         for d, i in enumerate(members):
@@ -222,6 +236,8 @@ def _build_batch(
             logprobs[b, sl] = torch.where(mask & ~lp.isnan(), lp, torch.zeros_like(lp))
             versions[b, sl] = torch.tensor(t.versions, dtype=torch.long)
             adv[b, sl] = (0.0 if advantages is None else advantages[i]) * mask.float()
+            if routing is not None and t.routing is not None:
+                routing[b, sl] = t.routing.to(torch.int32)
             pos += n
     return TrainBatch(
         input_ids=input_ids,
@@ -233,4 +249,5 @@ def _build_batch(
         versions=versions,
         traj_index=rows,
         turn_starts=[[list(trajs[i].turn_starts) for i in members] for members in rows],
+        routing=routing,
     )

@@ -84,7 +84,8 @@ def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
     r = job.rollout
     out = {"feature_ced": float(r.prefill_mode == "ced"), "feature_prefix_cache": float(r.prefix_cache),
            "feature_packed_cache": float(r.packed_cache), "feature_speculative": float(r.speculative),
-           "feature_simulate_replay": float(bool(job.trainer.simulate_replay))}  # fmt: skip
+           "feature_simulate_replay": float(bool(job.trainer.simulate_replay)),
+           "feature_routing_replay": float(job.trainer.routing_replay)}  # fmt: skip
     started = [t for t in trajs if t.rollout_stats]
     if not started:
         return out
@@ -190,7 +191,8 @@ class AsyncDriver:
                 job.model, job.trainer)
 
     def _new_worker(self, index: int):
-        return self._worker_cls.remote(self.job.model, self.job.rollout, self.job.env, index)
+        return self._worker_cls.remote(self.job.model, self.job.rollout, self.job.env, index,
+                                       record_routing=self.job.trainer.routing_replay)
 
     def close(self) -> None:
         import ray

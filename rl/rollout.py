@@ -228,7 +228,8 @@ class TokenPolicy:
             token_ids=tokens, loss_mask=[v is not None for v in versions], logprobs=lps,
             versions=[-1 if v is None else v for v in versions], turn_starts=list(self.turn_starts),
             task_id=req.task_id, group_id=req.group_id, seed=req.seed, transcript=self.transcript(),
-            rollout_stats=self.engine_stats(), **fields,
+            rollout_stats=self.engine_stats(),
+            routing=self.engine.routing(self.session) if self.engine.record_routing else None, **fields,
         )  # fmt: skip
 
     def engine_stats(self) -> dict[str, float]:

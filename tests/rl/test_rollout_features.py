@@ -79,7 +79,7 @@ def test_rollout_batch_metrics_name_the_features_and_split_acceptance_by_version
     job = JobConfig(trainer=TrainerConfig(kind="rl"))
     out = rollout_stats([traj(1, 1, 4, 2, 1), traj(1, 2, 4, 4, 0), traj(2, 2, 2, 0, 1)], job)
     assert out["feature_ced"] == out["feature_prefix_cache"] == out["feature_speculative"] == 1.0
-    assert out["feature_simulate_replay"] == 1.0 and out["feature_packed_cache"] == 0.0
+    assert out["feature_simulate_replay"] == 1.0 and out["feature_packed_cache"] == out["feature_routing_replay"] == 0.0
     assert out["prefix_hit_rate"] == pytest.approx(2 / 3) and out["cache_bytes_per_token"] == 100.0
     assert out["dspark_rollout_acceptance"] == pytest.approx(6 / 10)
     assert out["dspark_rollout_drafting_frac"] == 0.5
