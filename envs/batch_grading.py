@@ -330,8 +330,8 @@ def grade_batch(
 ) -> list[BatchGrade]:
     """Grade (task, {path: new content}) candidates of one image; one exec per <= MAX_JOB_BYTES of job.
     `sweep`: after each candidate kill every process of the test uids and remove their files (right
-    in a grader container, whose PID namespace is its own; off only for bench.demo_learning's
-    container-less LocalHarness). Raises GraderLost when the grader could not run the batch."""
+    in a grader container, whose PID namespace is its own; never turn it off where the PID namespace
+    is shared). Raises GraderLost when the grader could not run the batch."""
     if not items:
         return []
     images = {task.image for task, _ in items}

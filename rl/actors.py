@@ -16,6 +16,7 @@ Not here: admission control, the driver loop, losses.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -232,6 +233,7 @@ class RolloutWorker:
         self.rollout_cfg, self.env_cfg, self.index = rollout, env or EnvConfig(), index
         self.version = -1
         self._sandboxes = self._graders = None
+        self._sandbox_slots: asyncio.Semaphore | None = None  # created on the actor's event loop
         self.n_episodes = 0
         self.served = None  # rollout.agent=server: (Server, ServerThread); the engine then belongs to its loop
         if rollout.agent == "server":
@@ -298,7 +300,14 @@ class RolloutWorker:
         if req.env == "toy":
             return await run_toy_episode(req, batcher, self.template)
         if req.env == "sandbox":
-            return await run_sandbox_episode(req, batcher, self.template, *self._sandbox_tools())
+            # An episode waits for a sandbox slot here, on the event loop. Waiting inside the pool's
+            # blocking semaphore parks one of the loop's few executor threads per waiting episode; with
+            # more episodes admitted than sandboxes, the threads that the live episodes need for their
+            # tool calls and generation would all be parked (a deadlock).
+            if self._sandbox_slots is None:
+                self._sandbox_slots = asyncio.Semaphore(self.env_cfg.max_concurrent)
+            async with self._sandbox_slots:
+                return await run_sandbox_episode(req, batcher, self.template, *self._sandbox_tools())
         raise ValueError(f"unknown rollout env {req.env!r}")
 
     async def _served_episode(self, req: RolloutRequest) -> Trajectory:

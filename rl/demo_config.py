@@ -38,8 +38,7 @@ class DemoConfig:
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
     jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=4")
     # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x
-    # group_size = 32): an episode waiting for a sandbox slot blocks one of the rollout worker's few executor
-    # threads, and enough of them starve the episodes that hold the slots
+    # group_size = 32), so all of them decode in one batch instead of waiting for a sandbox slot
     train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",
                              "++env.max_concurrent=32")
     eval: list[str] = _list()  # flashpost-eval overrides beyond samples=k=eval_samples

@@ -138,8 +138,8 @@ class Instance:
     first_fail: str  # the first failing assert and what it got
     action: str  # the gold edit, " <line>|<old>=><new>"
     kind: str  # mutation kind of the injected bug
-    # family F (synth/factory_family.py): the repository file the function is in, the function's first
-    # line in it (0-based) and the whole broken file; "" / 0 / "" for the generated families
+    # an instance cut from a repository file: the file the function is in, the function's first line in
+    # it (0-based) and the whole broken file; "" / 0 / "" for the generated families
     path: str = ""
     offset: int = 0
     file: str = ""
