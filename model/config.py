@@ -503,11 +503,13 @@ def debug_args() -> ModelArgs:
 
 
 def tiny_args() -> ModelArgs:
-    """The CPU demo model (~5M parameters, byte-level BPE vocab 4096): 8 layers, dim 128."""
+    """The CPU demo model (~5M parameters, byte-level BPE vocab 4096): 8 layers, dim 128. max_seq_len
+    2048: an agent episode's first prompt alone (system turn with the tool schemas, then the task) is
+    ~800-1100 tokens, and a rollout keeps room for its replies and observations."""
     sched = derive_layer_schedule(8, 1)
     return ModelArgs(
         **sched,
-        max_batch_size=8, max_seq_len=1024, dtype="bf16", expert_dtype=None,
+        max_batch_size=8, max_seq_len=2048, dtype="bf16", expert_dtype=None,
         vocab_size=4096, dim=128, moe_inter_dim=128, n_heads=4,
         n_routed_experts=8, n_activated_experts=2, route_scale=1.5, swiglu_limit=10.0,
         q_lora_rank=64, head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=64, window_size=64,
