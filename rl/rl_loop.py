@@ -127,6 +127,13 @@ def load_train_split(job: JobConfig, progress: bool = True) -> tuple[list[dict[s
     return episode_tasks(ts.tasks), solver_turns(ts.demos)
 
 
+def actor_cpus(n_actors: int, cluster_cpus: float) -> float:
+    """Ray CPUs each of a job's n_actors asks for: one each, or an equal share when the cluster has fewer
+    (learner, rollout workers and the OPD teacher on a 2-core machine), so that all of them are scheduled
+    instead of the last one waiting forever for a CPU nobody frees."""
+    return min(1.0, cluster_cpus / n_actors)
+
+
 @dataclass
 class Hooks:
     """Observation points for tests and tools: `on_step(version, driver)` after each update is synced."""
@@ -178,16 +185,17 @@ class AsyncDriver:
 
         job = self.job
         gpus = job.cluster  # GPU shares per actor (0 = cpu); fractions let actors share one GPU
-        learner_cls = ray.remote(LearnerActor).options(num_cpus=1, num_gpus=gpus.learner_gpus, max_concurrency=1)
+        cpus = actor_cpus(1 + job.rollout.n_workers + (self.kind == "opd"), ray.cluster_resources().get("CPU", 1.0))
+        learner_cls = ray.remote(LearnerActor).options(num_cpus=cpus, num_gpus=gpus.learner_gpus, max_concurrency=1)
         self.learner = learner_cls.remote(
             job.model, job.trainer, threads=1, init_seed=job.trainer.seed, init_checkpoint=self.init_checkpoint
         )
         self._worker_cls = ray.remote(RolloutWorker).options(
-            num_cpus=1, num_gpus=gpus.rollout_gpus, max_concurrency=64, **self.worker_options)
+            num_cpus=cpus, num_gpus=gpus.rollout_gpus, max_concurrency=64, **self.worker_options)
         self.workers = [self._new_worker(i) for i in range(job.rollout.n_workers)]
         self.teacher = None
         if self.kind == "opd":
-            self.teacher = ray.remote(TeacherActor).options(num_cpus=1, num_gpus=gpus.teacher_gpus).remote(
+            self.teacher = ray.remote(TeacherActor).options(num_cpus=cpus, num_gpus=gpus.teacher_gpus).remote(
                 job.model, job.trainer)
 
     def _new_worker(self, index: int):

@@ -157,3 +157,11 @@ def test_learner_logprob_temperature_matches_the_sampler():
     want = sampling_logprobs(logits[0, :-1], 0.7).gather(-1, ids[0, 1:, None]).squeeze(-1)
     torch.testing.assert_close(got, want)
     assert not torch.allclose(got, token_logprobs(logits, ids)[0, 1:])  # T = 1 would differ
+
+
+def test_actor_cpus_fit_every_actor_of_a_job_on_a_small_cluster():
+    from rl.rl_loop import actor_cpus
+
+    assert actor_cpus(3, 16.0) == 1.0
+    # learner + rollout worker + OPD teacher on 2 cores: each gets 2/3, so all three are scheduled
+    assert actor_cpus(3, 2.0) * 3 <= 2.0 and actor_cpus(3, 2.0) > 0.5
