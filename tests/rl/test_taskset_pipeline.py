@@ -91,8 +91,10 @@ def test_rl_runs_multi_turn_sandbox_episodes_with_rewards(rl_run):
     assert [int(r["step"]) for r in recs] == [1, 2]
     for r in recs:
         assert r["trajectories"] == 2 and r["infra_failed"] == 0 and 0.0 <= r["reward_mean"] <= 1.0
-        # more generated tokens than one turn of each episode can hold: the episodes ran several turns
-        assert r["rollout_tokens"] > 2 * 16, r
+    # more generated tokens than one turn of each of the 4 trained episodes can hold: they ran several turns.
+    # Summed over the run: a record counts the groups that arrived since the previous one, and with lag 1
+    # both groups can arrive before the first update ends.
+    assert sum(r["rollout_tokens"] for r in recs) > 4 * 16, recs
 
 
 def test_eval_reports_the_heldout_split(rl_run, task_set, tmp_path):
