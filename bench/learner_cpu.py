@@ -34,7 +34,6 @@ if not os.environ.get("PYTHONPATH"):  # run as a script from anywhere; PYTHONPAT
 import torch  # noqa: E402
 
 import model  # noqa: E402
-
 from rl.actors import build_model, pack_for_learner  # noqa: E402
 from rl.config import ModelChoice, TrainerConfig  # noqa: E402
 from rl.learner import Learner, dspark_term, ensure_distributed  # noqa: E402

@@ -8,9 +8,9 @@ from model.mhc import (
     hc_post,
     hc_pre,
     hc_split_sinkhorn,
-    sinkhorn_normalize,
     identity_pre_mix,
     init_hc_params,
+    sinkhorn_normalize,
 )
 
 HC, D = 4, 32
