@@ -227,11 +227,16 @@ class DSpark(nn.ModuleList):
         doc_ids: torch.Tensor | None = None,
         markov: Markov = "teacher",
         with_logits: bool = True,
+        anchors: torch.Tensor | None = None,
     ) -> DraftOutput:
         """Drafts for every anchor position s of a teacher-forced sequence, batched over s (see
         DraftOutput for the alignment). main_hidden [B,S,X]; input_ids [B,S] (anchors); doc_ids [B,S]
         (packed rows: context and positions restart per document, as the backbone's).
         `with_logits=False` (teacher Markov only) skips the [B,S,k,V] logits (DraftOutput).
+        `anchors` [B,S] bool: draft only those anchors (a loss over few positions); the outputs then
+        hold the n selected anchors, in row-major order, as one row: [1,n,k,...]. Every anchor's block
+        depends only on its own context window and rows, so these are the same drafts (up to fp32
+        summation order: each block then attends its window as a batch row of its own).
 
         The block always has K rows (they attend to each other); the first k are returned. The Markov
         bias of row i uses the predecessor token: `markov="teacher"` the true token s+i (row 0: the
@@ -255,11 +260,23 @@ class DSpark(nn.ModuleList):
         # anchor s sees context rows s-W..s-1 of its own document (the query "is" at s-1 for the window)
         win_idxs = window_topk_idxs((ar - 1).expand(B, S), start_BS, W)
         main_x = self.project_context(main_hidden)
-        x_BND, stats = self._run(
-            self._block_rows(input_ids, embed_weight),
-            lambda st: (st.context_kv(main_x, freqs_ctx), freqs_blk, -W, win_idxs),
-        )
-        x_BSKD = x_BND.view(B, S, K, -1)[:, :, :k]
+        if anchors is None:
+            x_BND, stats = self._run(
+                self._block_rows(input_ids, embed_weight),
+                lambda st: (st.context_kv(main_x, freqs_ctx), freqs_blk, -W, win_idxs),
+            )
+            x_BSKD = x_BND.view(B, S, K, -1)[:, :, :k]
+        else:
+            # one batch row per anchor j: its window rows gathered as that row's context (win_lo 0)
+            b_n, s_n = anchors.nonzero(as_tuple=True)
+            rows_nW = win_idxs[b_n, s_n]
+            win_n1W = torch.where(rows_nW >= 0, torch.arange(W, device=dev), -1).unsqueeze(1)
+            freqs_nK = rope_table[pos_BS[b_n, s_n, None] + torch.arange(K, device=dev)]
+            x_nKD, stats = self._run(
+                self._block_rows(input_ids[b_n, s_n, None], embed_weight),
+                lambda st: (st.context_kv(main_x, freqs_ctx)[b_n[:, None], rows_nW.clamp(min=0)], freqs_nK, 0, win_n1W),
+            )  # fmt: skip
+            x_BSKD = x_nKD.view(1, b_n.numel(), K, -1)[:, :, :k]
         last = self[-1]
         if markov not in ("teacher", "greedy"):
             raise ValueError(f"markov={markov!r} must be 'teacher' or 'greedy'")
@@ -273,6 +290,8 @@ class DSpark(nn.ModuleList):
                 prev_BSk = torch.where(same, nxt.unfold(1, k, 1), self.noise_id)
             else:
                 prev_BSk = nxt.unfold(1, k, 1)
+            if anchors is not None:
+                prev_BSk = prev_BSk[anchors][None]
             m_embed = last.markov_head.embed(prev_BSk)
             confidence = last.confidence_head(x_BSKD, m_embed)
             if not with_logits:
@@ -281,7 +300,7 @@ class DSpark(nn.ModuleList):
             return DraftOutput(logits, confidence, logits.argmax(-1), stats)
         base_BSkV = self._head(x_BSKD, head_weight)
         if markov == "greedy":
-            rows, embeds, prev = [], [], input_ids
+            rows, embeds, prev = [], [], input_ids if anchors is None else input_ids[anchors][None]
             for i in range(k):
                 bias, e = last.markov_head(prev)
                 rows.append(base_BSkV[:, :, i] + bias)

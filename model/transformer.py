@@ -603,18 +603,20 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         markov: Markov = "teacher",
         with_logits: bool = True,
+        anchors: torch.Tensor | None = None,
     ) -> DraftOutput:
         """DSpark drafts for every anchor position of a teacher-forced row (model.dspark.DraftOutput:
         logits [B,S,k,V], row i of anchor s predicts token s+1+i). main_hidden: TransformerOutput's.
         The context, the embedding and the head enter DETACHED, so a DSpark loss trains mtp.* only.
-        k defaults to dspark_block_size. with_logits=False: no logits, for dspark_loss_chunked."""
+        k defaults to dspark_block_size. with_logits=False: no logits, for dspark_loss_chunked.
+        anchors [B,S] bool: only those anchors, outputs [1,n,k,...] (DSpark.draft_teacher_forced)."""
         mtp = self._drafter()
         K = mtp.block_size
         table = self._table(False, input_ids.size(1) + K, input_ids.device)
         return mtp.draft_teacher_forced(
             main_hidden.detach(), input_ids, k or K, embed_weight=self.embed.weight.detach(),
             head_weight=self.head.weight.detach(), rope_table=table, doc_ids=doc_ids, markov=markov,
-            with_logits=with_logits,
+            with_logits=with_logits, anchors=anchors,
         )  # fmt: skip
 
     @torch.no_grad()

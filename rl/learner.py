@@ -116,13 +116,16 @@ def dspark_term(model: nn.Module, out: TransformerOutput, batch: TrainBatch) -> 
     if getattr(model, "mtp", None) is None or out.main_hidden is None:
         return None
     k = model.mtp.block_size
-    draft = model.draft_teacher_forced(out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids, with_logits=False)
     in_doc = draft_target_ids(batch.input_ids, k, batch.doc_ids) >= 0
     generated = align_to_drafts(F.pad(batch.loss_mask[:, 1:], (0, 1), value=False), k, False)
     rows = in_doc & generated & (batch.doc_ids >= 0)[..., None]
-    # vocabulary logits of the trained rows only (a few generated tokens of long prompts)
+    # only the anchors and vocabulary logits of the trained rows (a few generated tokens of long prompts)
+    anchors = rows.any(-1)
+    draft = model.draft_teacher_forced(
+        out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids, with_logits=False, anchors=anchors
+    )
     target = align_to_drafts(out.logits.detach(), k)[rows].float().softmax(-1)
-    return dspark_loss(draft_rows(model.mtp, draft, model.head.weight.detach(), rows), target)
+    return dspark_loss(draft_rows(model.mtp, draft, model.head.weight.detach(), rows[anchors][None]), target)
 
 
 class Learner:

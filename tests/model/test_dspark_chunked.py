@@ -85,10 +85,13 @@ def test_chunked_loss_equals_full_loss(kind, chunk, masked):
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)
 
 
-def test_draft_rows_loss_equals_masked_full_loss():
+@pytest.mark.parametrize("only_anchors", [False, True])
+def test_draft_rows_loss_equals_masked_full_loss(only_anchors):
     """`draft_rows` (the learner's DSpark term): logits of the masked rows only give dspark_loss's
     masked value and drafter gradients. Same tolerance as above: the per-row values are the same
-    ops on the same rows; only the sum over rows is taken over n rows instead of B·S·k (zeros)."""
+    ops on the same rows; only the sum over rows is taken over n rows instead of B·S·k (zeros).
+    `only_anchors`: the drafter runs only the anchors with a masked row, each block attending its
+    window as a batch row of its own (the same softmax terms summed in another order)."""
     model = _model()
     k = model.args.dspark_block_size
     ids = _ids(2, S)
@@ -103,8 +106,10 @@ def test_draft_rows_loss_equals_masked_full_loss():
     want_grads = _mtp_grads(model)
 
     model.zero_grad(set_to_none=True)
-    lean = model.draft_teacher_forced(out.main_hidden, ids, k, with_logits=False)
-    rows = draft_rows(model.mtp, lean, model.head.weight.detach(), mask)
+    anchors = mask.any(-1) if only_anchors else None
+    lean = model.draft_teacher_forced(out.main_hidden, ids, k, with_logits=False, anchors=anchors)
+    sel = mask if anchors is None else mask[anchors][None]
+    rows = draft_rows(model.mtp, lean, model.head.weight.detach(), sel)
     assert rows.logits.shape == (int(mask.sum()), model.args.vocab_size)
     got = dspark_loss(rows, target[mask])
     got.loss.backward()
@@ -115,7 +120,10 @@ def test_draft_rows_loss_equals_masked_full_loss():
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7, msg=name)
     assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
     for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)
+        # a weight's gradient sums per-row terms, here over n anchors' rows instead of all rows (the
+        # rest contributing exact zeros) in another GEMM blocking: a few ulp of its largest terms
+        atol = 1e-5 * float(g.abs().max()) if only_anchors else 1e-8
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=atol, msg=name)
 
 
 def test_chunked_loss_needs_a_logit_free_draft():
