@@ -11,10 +11,11 @@ then --steps timed `Learner.train_step` calls. The run's baseline is the base co
 command with PYTHONPATH at that checkout (docs/learner_throughput.md), since every replaced path is deleted.
 
 JSON lines, one per configuration (threads x micro_batch_tokens x simulate_replay):
-  {"kind": "step", ...}  tokens/s (real tokens of the batch / median step seconds), step seconds (median,
-      min), and the forward / DSpark term / backward seconds of the first micro-batch (median over the
-      steps, outside the optimiser step), the loss of the first timed step (same weights and batch in
-      every configuration: equal losses across trees say the semantics did not move).
+  {"kind": "step", ...}  tokens/s (real tokens of the batch / median step seconds), tokens per CPU second
+      (process CPU time / threads: steadier than wall time on a shared machine), step seconds (median,
+      min), the forward / DSpark term / backward wall seconds of the first micro-batch (median, after
+      the timed steps, no optimiser step), and the loss of the first timed step (the second update
+      from the same seeded weights and batch: equal losses across trees say the semantics held).
 """
 
 from __future__ import annotations
@@ -81,20 +82,22 @@ def run(threads: int, micro_batch_tokens: int, replay: bool, steps: int) -> dict
     learner = Learner(policy, cfg)
     batches = pack_for_learner(demo_batch(), cfg)
     n_tok = sum(int((b.doc_ids >= 0).sum()) for b in batches)
-    splits = [_split(learner, batches[0]) for _ in range(steps)]
     learner.train_step(batches, "sft")  # warm-up (allocator, optimiser state)
-    times, loss = [], None
+    times, cpu, loss = [], [], None
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         metrics = learner.train_step(batches, "sft")
         times.append(time.perf_counter() - t)
+        cpu.append((time.process_time() - c) / threads)
         loss = metrics["loss"] if loss is None else loss
-    med = statistics.median(times)
+    med, med_cpu = statistics.median(times), statistics.median(cpu)
+    splits = [_split(learner, batches[0]) for _ in range(steps)]
     fwd, ds, bwd = (statistics.median(s[i] for s in splits) for i in range(3))
     return {
         "kind": "step", "threads": threads, "micro_batch_tokens": micro_batch_tokens, "simulate_replay": replay,
         "micro_batches": len(batches), "tokens": n_tok, "tokens_per_s": round(n_tok / med, 1),
-        "step_s": round(med, 3), "step_s_min": round(min(times), 3), "forward_s": round(fwd, 3),
+        "tokens_per_cpu_s": round(n_tok / med_cpu, 1), "step_s": round(med, 3), "step_s_min": round(min(times), 3),
+        "step_cpu_s": round(med_cpu, 3), "forward_s": round(fwd, 3),
         "dspark_s": round(ds, 3), "backward_s": round(bwd, 3), "loss": loss,
         "tree": str(Path(model.__file__).resolve().parents[1]), "torch": torch.__version__,
     }  # fmt: skip

@@ -523,16 +523,22 @@ class AttnContext:
     # The kv sources' caches already hold every group this call's queries see (CED decoder replay:
     # the decoder bank was projected beforehand); they publish it without projecting new groups.
     bank_ready: bool = False
+    # [B,S] bool: each batch row is a separate replay segment (model/replay.py) and these its real
+    # queries: indexer losses are then per-row means over them ([B] each), not one mean over the call.
+    loss_queries: torch.Tensor | None = None
 
 
-def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> torch.Tensor:
+def indexer_alignment_loss(
+    out: IndexerOutput, p_comp_BSHK: torch.Tensor, queries_BS: torch.Tensor | None = None
+) -> torch.Tensor:
     """KL(p_main || p_index) per query over the entries the indexer selected, mean over queries.
 
     p_main: the main attention's probabilities at the selected compressed entries (`p_comp_BSHK`,
     per head, from the full softmax incl. window and sink), summed over heads and renormalised
     over those entries; no gradient flows into it. p_index = softmax of the indexer scores over
     the same entries. Only the indexer's parameters receive gradient (its inputs are detached),
-    as in DeepSeek sparse attention. Queries with no selected entry are skipped.
+    as in DeepSeek sparse attention. Queries with no selected entry are skipped. `queries_BS` (bool):
+    one mean per batch row over its True queries, [B] (0 for a row with none), instead of a scalar.
     """
     assert out.topk_scores is not None, "the indexer ran without need_scores=True (or took its restricted path)"
     valid_BSK = out.topk_idxs >= 0
@@ -543,6 +549,9 @@ def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> tor
         row_ok = valid_BSK.any(-1) & (mass_BS1.squeeze(-1) > 0)
     logits_BSK = torch.where(valid_BSK, out.topk_scores, -1e30)  # finite: no NaN in backward
     kl_BS = (torch.xlogy(target_BSK, target_BSK) - target_BSK * F.log_softmax(logits_BSK, -1)).sum(-1)
+    if queries_BS is not None:
+        ok_BS = row_ok & queries_BS
+        return (kl_BS * ok_BS).sum(-1) / ok_BS.sum(-1).clamp_min(1)
     if not bool(row_ok.any()):
         return kl_BS.sum() * 0.0
     return kl_BS[row_ok].mean()
@@ -645,7 +654,7 @@ class Attention(nn.Module):
                     probs = sparse_attn_probs_ref(q_BSHD, kv_all, self.attn_sink, idxs_BSK, self.softmax_scale)
                 p_comp = probs[..., lay.win_idxs.size(-1) :]
         if ctx.indexer_loss and index_out is not None:
-            ctx.state.indexer_losses.append(indexer_alignment_loss(index_out, p_comp))
+            ctx.state.indexer_losses.append(indexer_alignment_loss(index_out, p_comp, ctx.loss_queries))
         # Remove the query rotation the rope dims of V picked up (cache stays in one rotated form).
         o_BSHD = apply_rotary_emb(o_BSHD, freqs_BSr, inverse=True)
         # wo_a is block-diagonal over o_groups: group g projects only its own heads.

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from model.attention import LayerCache, build_packed_layout
-from model.ced import check_ced, project_decoder_bank, replay_decoder, replay_start
+from model.attention import AttnLayout, GroupLayout, LayerCache, build_packed_layout
+from model.ced import check_ced, project_decoder_bank, replay_start
 from model.config import ModelArgs
 from model.moe import RouterStats, routing_replay
 from model.transformer import Streams, Transformer, TransformerOutput
@@ -101,7 +101,7 @@ def simulated_forward(
     losses = list(ctx.state.indexer_losses)
     doc_start = _doc_starts(doc_ids)
 
-    segments = []  # (row, lo, hi, own_lo, own_hi, x, main_hidden, stats)
+    specs = []  # (row, lo, hi, doc start, first fed position, N_k)
     for b, row_turns in enumerate(turns):
         prev_doc, prev_end = -1, 0
         for n_k, t_k in row_turns:
@@ -111,20 +111,95 @@ def simulated_forward(
             lo = d + replay_start(n_k - d, W)
             fed = d if d != prev_doc else max(d, prev_end - 1)  # the first position this turn fed
             prev_doc, prev_end = d, t_k
-            seg_routing = None
-            if routing is not None:
-                seg_routing = routing[b : b + 1, lo:t_k, E:].clone()
-                seg_routing[:, : max(0, fed - lo)] = -1
-            caches = [LayerCache() for _ in range(a.n_layers)]
-            caches[E] = LayerCache(ratio=1, compress_kv=bank_kv[b : b + 1, d:t_k], index_k=bank_k[b : b + 1, d:t_k])
-            seg = Streams(enc.h[b : b + 1, lo:t_k], enc.pre_mix[b : b + 1, lo:t_k])
-            mask = None if image_mask is None else image_mask[b : b + 1, lo:t_k]
-            with _forced(seg_routing, range(E, a.n_layers)):
-                seg_ctx = replay_decoder(model, seg, lo - d, caches, image_mask=mask, indexer_loss=compute_indexer_loss)
-            losses += seg_ctx.state.indexer_losses
-            x, main_hidden = model.collapse(seg)
-            segments.append((b, lo, t_k, n_k - 1, t_k - 1, x[0], main_hidden, seg.stats))
-    return _assemble(model, enc, segments, losses, B, S)
+            specs.append((b, lo, t_k, d, fed, n_k))
+    segments, seg_losses = _replay_segments(
+        model, enc, bank_kv, bank_k, specs, routing, image_mask, compute_indexer_loss
+    )  # fmt: skip
+    return _assemble(model, enc, segments, losses + seg_losses, B, S)
+
+
+def _replay_segments(
+    model: Transformer,
+    enc: Streams,
+    bank_kv: torch.Tensor,
+    bank_k: torch.Tensor,
+    specs: list[tuple[int, int, int, int, int, int]],
+    routing: torch.Tensor | None,
+    image_mask: torch.Tensor | None,
+    indexer_loss: bool,
+) -> tuple[list, list[torch.Tensor]]:
+    """The decoder over every turn's segment at once: batch row j is segment j = (row b, [lo, hi), doc
+    start d, first fed position, N_k), as `model.ced.replay_decoder` would run it alone: its encoder
+    streams, window attention confined to it (window rows are the row's own, from position lo - d),
+    the bank of its document's positions [d, hi) and RoPE at document positions. Rows are padded at
+    their end to the longest segment (repeating the last token; the bank likewise): padding comes
+    after every real query, which therefore never sees it, and is dropped (router statistics and
+    indexer losses are taken per segment over its real tokens, as when each ran alone). One batched
+    call instead of one per turn: the decoder's cost per call, not its arithmetic, dominated on CPU.
+    -> (per-segment (row, lo, hi, own_lo, own_hi, x [n,D], main_hidden [1,n,X], stats), the indexer
+    losses: one per segment and decoder index layer)."""
+    if not specs:
+        return [], []
+    a = model.args
+    E, W, dev = a.n_encoder_layers, a.window_size, enc.h.device
+    n_seg = len(specs)
+    lens = torch.tensor([hi - lo for _, lo, hi, *_ in specs], device=dev)
+    L, G = int(lens.max()), max(hi - d for _, _, hi, d, *_ in specs)
+    rows = torch.tensor([b for b, *_ in specs], device=dev)[:, None]
+    lo_J, hi_J, d_J = (torch.tensor([spec[i] for spec in specs], device=dev)[:, None] for i in (1, 2, 3))
+    ar_L, g = torch.arange(L, device=dev), torch.arange(G, device=dev)
+    real_JL = ar_L < lens[:, None]
+    tok_JL = torch.minimum(lo_J + ar_L, hi_J - 1)  # row positions, padding repeats the last token
+    q_abs = lo_J - d_J + ar_L
+    t_LW = ar_L[:, None] - (W - 1) + torch.arange(W, device=dev)
+    bs = max(a.candidate_block_size, 1)
+    visible = g <= q_abs[..., None]  # group g's one token is position d + g of the document
+    bank_JG = torch.minimum(d_J + g, hi_J - 1)
+    layout = AttnLayout(
+        q_pos=q_abs,
+        win_idxs=torch.where(t_LW >= 0, t_LW, -1).expand(n_seg, L, W),
+        win_lo=1 - W,
+        groups={1: GroupLayout(
+            ratio=1, tok_idx=q_abs.new_zeros(n_seg, 0, 1), anchor_pos=q_abs.new_zeros(n_seg, 0), visible=visible,
+            newest=q_abs.clamp(max=G - 1), block_id=(g // bs).expand(n_seg, G), n_blocks=-(-G // bs),
+            contiguous_block_size=bs,
+        )},
+    )  # fmt: skip
+    ctx = model._context(layout, indexer_loss)
+    ctx.bank_ready = True
+    ctx.loss_queries = real_JL
+    caches = [LayerCache() for _ in range(a.n_layers)]
+    caches[E] = LayerCache(ratio=1, compress_kv=bank_kv[rows, bank_JG], index_k=bank_k[rows, bank_JG])
+    seg = Streams(enc.h[rows, tok_JL], enc.pre_mix[rows, tok_JL])
+    mask = None if image_mask is None else image_mask[rows, tok_JL] & real_JL
+    seg_routing = None
+    if routing is not None:
+        seg_routing = routing[rows, tok_JL][:, :, E:].clone()
+        fed_J = torch.tensor([spec[4] for spec in specs], device=dev)[:, None]
+        # the engine routed afresh what it re-fed (before the turn's first fed position) and padding
+        seg_routing[(lo_J + ar_L < fed_J) | ~real_JL] = -1
+    with _forced(seg_routing, range(E, a.n_layers)):
+        model.run_layers(seg, range(E, a.n_layers), ctx, caches, mask, None)
+    x, main_hidden = model.collapse(seg)
+    losses = [loss_J[j] for loss_J in ctx.state.indexer_losses for j in range(n_seg)]
+    segments = []
+    for j, (b, lo, hi, _, _, n_k) in enumerate(specs):
+        n = hi - lo
+        mh = None if main_hidden is None else main_hidden[j : j + 1, :n]
+        stats = [_segment_stats(st, j, n) for st in seg.stats]
+        segments.append((b, lo, hi, n_k - 1, hi - 1, x[j, :n], mh, stats))
+    return segments, losses
+
+
+def _segment_stats(stats: RouterStats, j: int, n: int) -> RouterStats:
+    """Batch row j's first n tokens of a batched MoE call's RouterStats, as that call computes them
+    (model.moe.MoE.forward: counts of the selections, mean of the normalised scores)."""
+    topk, scores = stats.topk_idx[j : j + 1, :n], stats.scores[j : j + 1, :n]
+    E = scores.size(-1)
+    flat = topk.flatten()
+    counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    probs = scores.reshape(n, E)
+    return RouterStats(counts, (probs / probs.sum(dim=-1, keepdim=True)).mean(dim=0), topk, scores)
 
 
 def replay_forward(

@@ -117,9 +117,13 @@ def test_a_ced_segment_forces_only_the_positions_its_turn_fed():
     encoder_only[:, :, E:] = -1
 
     def decoder_calls(r: torch.Tensor) -> list[torch.Tensor]:
+        """Each segment's decoder routing [n, n_decoder, K]: the decoder runs all segments as one
+        batch, row j = segment j padded at its end (model/replay.py)."""
         with torch.no_grad(), routing_record() as record:
             simulated_forward(model, ids, turns, routing=r, compute_indexer_loss=False)
-        return [torch.stack(c, dim=-2)[0] for c in zip(*(record[i] for i in range(E, a.n_layers)))]
+        (call,) = zip(*(record[i] for i in range(E, a.n_layers)))
+        rows = torch.stack(call, dim=-2)
+        return [rows[j, : t - (max(0, n - W))] for j, (n, t) in enumerate(turns[0])]
 
     seg0, seg1 = decoder_calls(routing)
     free0, free1 = decoder_calls(encoder_only)
