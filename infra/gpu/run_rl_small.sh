@@ -6,15 +6,18 @@
 # Run from the repo root on the GPU host, after the bundles are there (infra/gpu/README.md):
 #   1. carry .gpu-docker-image and .gpu-docker (together when both fit in one call, else one each),
 #      command: `bash infra/gpu/start_docker.sh`
-#   2. carry .whl (../shared/tools/gpu-wheels.sh), command:
+#   2. carry .whl (../shared/tools/gpu-wheels.sh: Ray, Hydra, DeepSpeed; plus datasets, dill and
+#      multiprocess, which writing the shipped task set needs: see the check below), command:
 #      `bash infra/gpu/run_rl_small.sh LABEL [hydra overrides...]`, e.g.
 #      `bash infra/gpu/run_rl_small.sh spec && bash infra/gpu/run_rl_small.sh plain rollout.speculative=false`
 # What it does: installs .whl into /tmp/site once, starts (or confirms) the Docker engine, builds the
 # fixture task images from the base image (envs/fixtures/build.py; cached by content), runs the job into
 # $RUN_ROOT/LABEL for at most $RL_TIMEOUT_S seconds (default 240) and copies its metrics.jsonl and the
 # log's tail to $OUT/LABEL-metrics.jsonl and $OUT/LABEL.log (what the device tool brings back).
-# Sizes: $RL_STEPS learner updates (default 3); the rest of the job is conf/ at cluster=h200, plus
-# env.max_concurrent=16 sandboxes. Extra arguments are Hydra overrides appended last.
+# Sizes: $RL_STEPS learner updates (default 3); the rest of the job is conf/ at cluster=h200 (2 groups of
+# 8 episodes per update, up to 4 turns of 64 new tokens), plus env.max_concurrent=16 sandboxes. Extra
+# arguments are Hydra overrides appended last (e.g. ++model.overrides.impl=triton for the Triton kernels
+# and the engine's CUDA-graph decode; figures in docs/h200_rl.md).
 # What it does not do: build the bundles (docker_bundle.sh, gpu-wheels.sh run on the dev machine).
 set -uo pipefail
 [[ $# -ge 1 ]] || { echo "usage: bash infra/gpu/run_rl_small.sh LABEL [hydra overrides...]" >&2; exit 2; }
@@ -31,8 +34,10 @@ if [[ -d .whl && "$(cat "$SITE/.whl-installed" 2>/dev/null)" != "$WHEELS" ]]; th
     python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
         && echo "$WHEELS" > "$SITE/.whl-installed" || { say "installing .whl failed"; exit 1; }
 fi
-PYTHONPATH=$SITE python3 -c "import hydra, ray, deepspeed" 2>/dev/null \
-    || { say "no Ray/Hydra/DeepSpeed in $SITE: carry .whl (bash ../shared/tools/gpu-wheels.sh builds it)"; exit 1; }
+PYTHONPATH=$SITE python3 -c "import hydra, ray, deepspeed, datasets" 2>/dev/null \
+    || { say "no Ray/Hydra/DeepSpeed/datasets in $SITE: carry .whl (bash ../shared/tools/gpu-wheels.sh builds the" \
+             "first three; synth/taskset.py writes task sets with datasets: pip download datasets dill multiprocess" \
+             "--no-deps --only-binary=:all: --python-version 3.12 -d .whl)"; exit 1; }
 GPU_DOCKER_SMOKE=0 bash infra/gpu/start_docker.sh || { say "Docker engine did not start"; exit 1; }
 
 export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
