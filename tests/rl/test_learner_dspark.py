@@ -1,7 +1,8 @@
 """The DSpark term of the learner (debug model, CPU): it trains the drafter from detached backbone
 features, so backbone gradients are identical with and without it, and trainer=dspark moves `mtp.*`
 only; the drafter's acceptance is reported; taken chunk by chunk over positions, it equals the formula
-over the full [B,S,k,V] draft logits (loss and gradients)."""
+over the full [B,S,k,V] draft logits (loss and gradients), and no vocabulary-sized tensor it builds,
+forward or backward, is larger than its chunk budget."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.config import get_flavor
 from model.dspark import align_to_drafts, draft_target_ids
@@ -26,9 +28,9 @@ torch.set_num_threads(1)
 ARGS = get_flavor("debug")
 
 
-def _model(seed: int = 0) -> Transformer:
-    vocab = {f"<t{i}>": i for i in range(ARGS.vocab_size)}
-    m = Transformer(ARGS, engram_hasher=EngramHasher(ARGS, Backend(models.WordLevel(vocab, unk_token="<t0>"))))
+def _model(seed: int = 0, args=ARGS) -> Transformer:
+    vocab = {f"<t{i}>": i for i in range(args.vocab_size)}
+    m = Transformer(args, engram_hasher=EngramHasher(args, Backend(models.WordLevel(vocab, unk_token="<t0>"))))
     m.init_weights(seed=seed)
     return m
 
@@ -92,6 +94,39 @@ def test_chunked_dspark_term_equals_the_full_formula(chunk_logits):
     assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
     for name, g in want_grads.items():
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)
+
+
+class _LargestVocabTensor(TorchDispatchMode):
+    """Records the largest new tensor an op returns whose last dim is the vocabulary (views of an input,
+    such as the policy's logits detached or the [V,D] head transposed, allocate nothing and are skipped)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()]
+                  if isinstance(a, torch.Tensor)}  # fmt: skip
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.size(-1) == self.vocab:
+                if t.untyped_storage().data_ptr() not in inputs:
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_dspark_term_stays_within_its_chunk_budget():
+    # vocab 600, not debug's 512 = hc_mult x dim: the mHC mixes must not look vocabulary-sized to the spy
+    args = get_flavor("debug", vocab_size=600, engram_compressed_vocab_size=600)
+    model = _model(args=args)
+    b = _batches()[0]
+    out = model(b.input_ids, b.doc_ids, compute_indexer_loss=False)
+    k, (B, S), V = model.mtp.block_size, b.input_ids.shape, args.vocab_size
+    budget = 4 * B * k * V  # 4 anchor positions a chunk
+    spy = _LargestVocabTensor(V)
+    with spy:
+        dspark_term(model, out, b, chunk_logits=budget).loss.backward()
+    assert 0 < spy.largest <= budget < B * S * k * V // 4
 
 
 def test_backbone_gradients_do_not_depend_on_the_dspark_weight():
