@@ -40,8 +40,8 @@ from rl.payloads import TrainBatch, Trajectory, pack_trajectories
 # length of the dummy micro-batch of a rank that has none while others train (see Learner._pad_ranks)
 FILLER_TOKENS = 16
 # the DSpark term's largest vocabulary-sized tensor (elements): its draft logits and targets are built over
-# this many rows x k x vocab at a time (`small`, 4096-token micro-batches: [4096,5,129280] fp32 would be 10 GB;
-# at 2^27 elements, 512 MiB, it takes ~20 chunks of ~200 positions)
+# this many rows x k x vocab at a time (at the released tokenizer's vocabulary, 129,280, a 4096-token
+# micro-batch's [4096,5,V] fp32 draft logits would be 10.6 GB; 2^27 elements, 512 MiB, is ~200 positions)
 DSPARK_CHUNK_LOGITS = 1 << 27
 
 
