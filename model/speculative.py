@@ -276,7 +276,7 @@ def align_drafter(
     chunk: int | None = None,
 ) -> dict:
     """Align the DSpark drafter (`mtp.*` only) to the frozen backbone on `sequences` [N,S] (e.g. the
-    backbone's own continuations): `steps` AdamW steps of dspark_loss with the backbone's sampling
+    backbone's own continuations): `steps` AdamW steps of dspark_loss_chunked with the backbone's sampling
     distribution (temperature 0: its argmax) at every position as the target. The confidence head
     learns what verification will do: at temperature 0 whether the draft is the argmax; above, a
     Bernoulli draw of the acceptance probability Σ_v min(p, q) (an unbiased label for the BCE). The

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_loss
+from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_loss_chunked
 from model.moe import routing_replay, update_expert_bias
 from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
@@ -39,6 +39,10 @@ from rl.payloads import TrainBatch, Trajectory, pack_trajectories
 
 # length of the dummy micro-batch of a rank that has none while others train (see Learner._pad_ranks)
 FILLER_TOKENS = 16
+# the DSpark term's largest vocabulary-sized tensor (elements): its draft logits and targets are built over
+# this many rows x k x vocab at a time (at the released tokenizer's vocabulary, 129,280, a 4096-token
+# micro-batch's [4096,5,V] fp32 draft logits would be 10.6 GB; 2^27 elements, 512 MiB, is ~200 positions)
+DSPARK_CHUNK_LOGITS = 1 << 27
 
 
 @dataclass
@@ -109,18 +113,32 @@ def _dspark_only(learner: Learner, out: TransformerOutput, batch: TrainBatch, de
 LOSS_KINDS: dict[str, LossFn] = {"sft": _sft, "rl": _rl, "opd": _opd, "dspark": _dspark_only}
 
 
-def dspark_term(model: nn.Module, out: TransformerOutput, batch: TrainBatch) -> DSparkLoss | None:
+def dspark_term(
+    model: nn.Module, out: TransformerOutput, batch: TrainBatch, chunk_logits: int = DSPARK_CHUNK_LOGITS
+) -> DSparkLoss | None:
     """DSpark alignment on one micro-batch (DESIGN §3.1): row i of anchor s learns sg(p_policy) at s+i,
     on rows whose target token s+1+i is a generated (loss-mask) token of the same document. None when
-    the model has no drafter. Gradients reach `mtp.*` only (the drafter reads detached features)."""
+    the model has no drafter. Gradients reach `mtp.*` only (the drafter reads detached features).
+    The loss is taken over anchor positions a chunk at a time (`dspark_loss_chunked`): no [B,S,k,V]
+    draft logits or targets exist, only [B,chunk,k,V] with B·chunk·k·V <= `chunk_logits`."""
     if getattr(model, "mtp", None) is None or out.main_hidden is None:
         return None
     k = model.mtp.block_size
-    draft = model.draft_teacher_forced(out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids)
-    target = align_to_drafts(out.logits.detach().float().softmax(-1), k)
+    B, S = batch.input_ids.shape
+    draft = model.draft_teacher_forced(out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids, with_logits=False)
+    logits = out.logits.detach()
+
+    def target(lo: int, hi: int) -> torch.Tensor:
+        # the policy's probabilities at s..s+k-1 of every anchor s in lo..hi-1 (none past the end)
+        p = logits[:, lo : min(S, hi + k - 1)].float().softmax(-1)
+        p = F.pad(p, (0, 0, 0, hi - lo + k - 1 - p.size(1)))
+        return p.unfold(1, k, 1).movedim(-1, 2)
+
     in_doc = draft_target_ids(batch.input_ids, k, batch.doc_ids) >= 0
     generated = align_to_drafts(F.pad(batch.loss_mask[:, 1:], (0, 1), value=False), k, False)
-    return dspark_loss(draft, target, mask=in_doc & generated & (batch.doc_ids >= 0)[..., None])
+    mask = in_doc & generated & (batch.doc_ids >= 0)[..., None]
+    chunk = max(1, chunk_logits // (B * k * model.head.weight.size(0)))
+    return dspark_loss_chunked(model.mtp, draft, model.head.weight.detach(), target, mask=mask, chunk=chunk)
 
 
 class Learner:
