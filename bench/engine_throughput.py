@@ -23,7 +23,11 @@ With `transformers` importable (and not --quick), a row {engine: "hf_generate", 
 count: a dense Llama-style model of about the same active parameters (random weights, the same
 prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
 tokens forced with min_new_tokens, after a warm-up generate of the same length).
-Not here: speculative decoding (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
+With --spec-cost, a row {engine: "speculation_cost", sessions, t_verify_ms (k = 0..K), t_draft_ms,
+t_plain_ms (the engine's plain decode step, CUDA graphs on CUDA), break_even (tokens a speculative
+step of each k must emit to match it), best_speedup (every draft accepted), speculation_on (what
+`generate_speculative` decides)} per session count: the cost model of model/speculative.py.
+Not here: speculative decoding itself (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from bench.model_step import build_model  # noqa: E402
 from model.accounting import active_params  # noqa: E402
 from model.config import ModelArgs, default_tokenizer_fit, get_flavor  # noqa: E402
 from model.engine import InferenceEngine  # noqa: E402
+from model.speculative import SpeculativeConfig  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
 # (min prompt, max prompt, new tokens) per flavor; --quick shrinks them
@@ -128,6 +133,20 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     }  # fmt: skip
 
 
+def run_spec_cost(model, device, n: int, graphs: bool) -> dict:
+    """The speculation cost model of n rows as a speculative engine measures it (the drafter is random:
+    acceptance is not measured here, only what it would have to be)."""
+    engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
+                             speculative=SpeculativeConfig())  # fmt: skip
+    cost = engine.speculation_cost(n)
+    ms = 1e3
+    return {"engine": "speculation_cost", "sessions": n, "cuda_graphs": graphs,
+            "t_verify_ms": [round(t * ms, 3) for t in cost.t_verify], "t_draft_ms": round(cost.t_draft * ms, 3),
+            "t_plain_ms": round(cost.plain_time * ms, 3), "break_even": [round(x, 2) for x in cost.break_even()],
+            "best_speedup": round(cost.best_speedup(), 3),
+            "speculation_on": cost.best_speedup() >= engine.speculative.min_speedup}  # fmt: skip
+
+
 def run_hf(args, device, prompts, new_tokens) -> dict | None:
     """transformers `generate` on a dense Llama of about the same active parameters (static cache)."""
     try:
@@ -184,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
     p.add_argument("--compile", default="both", choices=("on", "off", "both"),
                    help="CUDA graph engines: the compiled decode step, the uncompiled one, or both")  # fmt: skip
+    p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
     a = p.parse_args(argv)
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     rate = copy_gb_per_s(device)
     modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
     modes = modes if device.type == "cuda" else (False,)
-    compiles = {"on": (True,), "off": (False,), "both": (True, False)}[a.compile]
+    compiles = {"on": (True,), "off": (False,), "both": (False, True)}[a.compile]  # the baseline first
     engines = [(g, c) for g in modes for c in (compiles if g else (False,))]
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
@@ -216,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                     row = {"engine": "flashpost", "cuda_graphs": graphs, "compile_decode": True, "sessions": n,
                            "error": f"{type(e).__name__}: {str(e)[:2000]}"}  # fmt: skip
                 print(json.dumps(row), flush=True)
+        if a.spec_cost and model.mtp is not None:
+            print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
             row = run_hf(args, device, prompts, a.hf_new_tokens or new)
             if row is not None:
