@@ -103,16 +103,39 @@ class _Session:
     next_logits: torch.Tensor | None = None
     next_version: int = 0  # policy version of the weights that computed next_logits
     versions: list[int | None] = field(default_factory=list)  # per token; None = not generated
-    # speculative engines: DSpark context [1,n,X] of the newest fed tokens (ends at cache.seq_len) that
-    # the drafter has not consumed yet, and the session's acceptance statistics
-    main_hidden: torch.Tensor | None = None
+    # speculative engines: the session's acceptance statistics, and (`main_hidden`) the DSpark context
+    # [1,n,X] of the newest fed tokens (ends at cache.seq_len) that the drafter has not consumed yet:
+    # `_hidden`, then the decode steps' rows `_steps` ((step output [B,1,X], row) each) not joined yet
     spec: SpecStats = field(default_factory=SpecStats)
     # record_routing engines: [n, n_layers, K] int32 blocks of the fed tokens' experts, in token order
     routing: list[torch.Tensor] = field(default_factory=list)
+    _hidden: torch.Tensor | None = None
+    _steps: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    _keep: int = 0
 
     @property
     def n_unfed(self) -> int:
         return len(self.token_ids) - self.cache.seq_len
+
+    @property
+    def main_hidden(self) -> torch.Tensor | None:
+        if self._steps:  # joined when read: one cat per session then, not one per decode step
+            parts = [] if self._hidden is None else [self._hidden]
+            h = torch.cat(parts + [out[b : b + 1] for out, b in self._steps], dim=1)
+            self._hidden, self._steps = h[:, max(0, h.size(1) - self._keep) :], []
+        return self._hidden
+
+    @main_hidden.setter
+    def main_hidden(self, value: torch.Tensor | None) -> None:
+        self._hidden, self._steps = value, []
+
+    def stash_step(self, out_BSX: torch.Tensor, row: int, keep: int) -> None:
+        """A decode step's context (row `row` of its [B,1,X] output) appended, kept to `keep` tokens."""
+        self._steps.append((out_BSX, row))
+        self._keep = keep
+        if len(self._steps) >= keep:  # the steps alone fill the context: older entries are gone
+            del self._steps[: len(self._steps) - keep]
+            self._hidden = None
 
 
 class InferenceEngine:
@@ -638,7 +661,7 @@ class InferenceEngine:
             if routing is not None:
                 s.routing.append(routing[b, :1])
             if main_hidden is not None:
-                self._stash_hidden(s, main_hidden[b : b + 1])
+                s.stash_step(main_hidden, b, self.model.args.window_size + self._max_rollback)
         return logits_BV
 
     def _generators(self, seed: int | Sequence[int] | None, n: int) -> list[torch.Generator]:
