@@ -313,7 +313,9 @@ def compile_decode(model: Transformer) -> Callable:
     # Python floats passed to the Triton kernels typed fp32, as Triton's own launcher types them
     # (inductor's default, fp64, breaks kernels that feed them to fp32-only math such as sqrt_rn)
     wanted = {"emulate_precision_casts": True, "_use_fp64_for_unbacked_floats": False}
-    options = {k: v for k, v in wanted.items() if hasattr(inductor_config, k)} if COMPILE_BACKEND == "inductor" else None
+    options = (
+        {k: v for k, v in wanted.items() if hasattr(inductor_config, k)} if COMPILE_BACKEND == "inductor" else None
+    )
     return torch.compile(model.forward_ragged, dynamic=False, backend=COMPILE_BACKEND, options=options)
 
 
