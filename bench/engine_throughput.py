@@ -17,8 +17,9 @@ sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwa
 graph_captures, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model calls
 per decode step), bytes_per_step (weights a decode step touches at this batch + every session's
 cache, packed format), copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step =
-bytes / copy rate}. On CUDA the graph engine with and without the compiled step and the eager engine
-run (--cuda-graphs, --compile); --quick runs both prefill modes.
+bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); --compile both
+adds graph engines with the compiled step (a compile that fails is an "error" row); --quick runs both
+prefill modes.
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
 count: a dense Llama-style model of about the same active parameters (random weights, the same
 prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens of the baseline (default: --new-tokens)")
     p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both", "none"),
                    help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
-    p.add_argument("--compile", default="both", choices=("on", "off", "both"),
+    p.add_argument("--compile", default="off", choices=("on", "off", "both"),
                    help="CUDA graph engines: the compiled decode step, the uncompiled one, or both")  # fmt: skip
     p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),

@@ -11,12 +11,12 @@ the start of a generate call feeds) are fed in ragged steps of up to `prefill_ch
 over every session with tokens to feed (shorter rows padded, model/ragged_cache.py); the sessions a
 `generate` call decodes are then the rows of one `RaggedBatch` from their first decode step to their
 last, each step feeding every row's newest token in ONE forward (`RaggedBatch.decode`: fixed shapes,
-replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, the forward compiled by inductor into
-fused kernels unless `compile_decode=False`, one device-to-host copy of the sampled tokens per
-step), and a session that stops leaves the batch between steps with its cache. A generate call
-whose sessions lack only their newest token starts with such a decode step. CED prefill
-(model/ced.py `ced_prefill_ragged`) is ragged too: every session's unfed tokens, whatever their
-positions and counts, in ragged encoder steps and one decoder replay. Speculative verification
+replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, the forward compiled by inductor with
+`compile_decode=True`, one device-to-host copy of the sampled tokens per step), and a session that
+stops leaves the batch between steps with its cache. A generate call whose sessions lack only their
+newest token starts with such a decode step. CED prefill (model/ced.py `ced_prefill_ragged`) is
+ragged too: every session's unfed tokens, whatever their positions and counts, in ragged encoder
+steps and one decoder replay. Speculative verification
 runs per group of sessions at the same position (caches stacked and split back). Results do not
 depend on the batching beyond fp32 rounding (each session samples from its own generator).
 
@@ -171,11 +171,12 @@ class InferenceEngine:
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}: pass cuda_graphs=False")
         if cuda_graphs and model.args.impl != "triton":
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
-        # decode steps run model.forward_ragged compiled (model/ragged_cache.py compile_decode): on by
-        # default with CUDA graphs, where a step's time is its thousands of small kernels; the graphs
-        # then capture the compiled step, and each graph bucket costs one compile (fewer buckets)
+        # compile_decode: decode steps run model.forward_ragged compiled by inductor (model/ragged_cache.py
+        # compile_decode), captured by the graphs, one compile per graph bucket (fewer buckets). Off by
+        # default: on the H200 (torch 2.11) inductor cannot lower the indexer launcher's bool->uint8
+        # view (docs/engine_throughput.md), so a compiled step fails there
         if compile_decode is None:
-            compile_decode = cuda_graphs
+            compile_decode = False
         if compile_decode and record_routing:
             raise ValueError("record_routing records in Python, which a compiled step skips: pass compile_decode=False")
         self.graphs = GraphPool(COMPILED_BUCKETS if compile_decode else GRAPH_BUCKETS) if cuda_graphs else None

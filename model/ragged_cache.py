@@ -289,8 +289,8 @@ class RaggedBatch:
 
 # live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# with a compiled forward each bucket costs one inductor compile of the model (tens of seconds on a
-# GPU host): fewer buckets, more padding (a step's time grows far slower than its rows below 256)
+# with a compiled forward each bucket costs one inductor compile of the whole model: fewer buckets,
+# more padding (a step's time grows far slower than its rows below 256)
 COMPILED_BUCKETS = (1, 4, 16, 64, 128, 256)
 # dynamo backend of compile_decode ("aot_eager" traces the same graphs without inductor's kernels:
 # an ablation of the fusion itself)
