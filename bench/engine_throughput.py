@@ -10,19 +10,25 @@ uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt 
 `engine.prefill`, a warm-up `generate` of WARMUP_TOKENS (on CUDA it captures the decode graphs of
 the batch's size), then the timed `generate(..., new_tokens, no stop ids, T = 1)`: its sessions
 lack only their newest token, so every one of its new_tokens tokens costs one decode step,
-sampling and bookkeeping included. Rows {engine: "flashpost", cuda_graphs, prefill_mode (full-stack
+sampling and bookkeeping included. Rows {engine: "flashpost", cuda_graphs, compile_decode (the
+inductor-compiled decode step, --compile; its compiles fall in warmup_s), prefill_mode (full-stack
 or CED prefill, --prefill-mode; a CED prefill counts as one forward), flavor, device, impl,
 sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwards, warmup_s,
 graph_captures, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model calls
 per decode step), bytes_per_step (weights a decode step touches at this batch + every session's
 cache, packed format), copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step =
-bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); --quick runs
-both prefill modes.
+bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); --compile both
+adds graph engines with the compiled step (a compile that fails is an "error" row); --quick runs both
+prefill modes.
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
 count: a dense Llama-style model of about the same active parameters (random weights, the same
 prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
 tokens forced with min_new_tokens, after a warm-up generate of the same length).
-Not here: speculative decoding (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
+With --spec-cost, a row {engine: "speculation_cost", sessions, t_verify_ms (k = 0..K), t_draft_ms,
+t_plain_ms (the engine's plain decode step, CUDA graphs on CUDA), break_even (tokens a speculative
+step of each k must emit to match it), best_speedup (every draft accepted), speculation_on (what
+`generate_speculative` decides)} per session count: the cost model of model/speculative.py.
+Not here: speculative decoding itself (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from bench.model_step import build_model  # noqa: E402
 from model.accounting import active_params  # noqa: E402
 from model.config import ModelArgs, default_tokenizer_fit, get_flavor  # noqa: E402
 from model.engine import InferenceEngine  # noqa: E402
+from model.speculative import SpeculativeConfig  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
 # (min prompt, max prompt, new tokens) per flavor; --quick shrinks them
@@ -86,11 +93,12 @@ def decode_bytes(args: ModelArgs, model, engine: InferenceEngine, sids: list[int
     return int(weights + cache)
 
 
-def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str) -> dict:
+def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
+               compiled: bool = False) -> dict:  # fmt: skip
     n = len(prompts)
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 8,
-                             prefill_mode=prefill_mode)  # fmt: skip
+                             prefill_mode=prefill_mode, compile_decode=compiled)  # fmt: skip
     warm = engine.start(prompts[0])  # first-call allocations, rope tables
     engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
     engine.close(warm)
@@ -112,7 +120,8 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     nbytes = decode_bytes(args, model, engine, sids)
     lens = [len(p) for p in prompts]
     return {
-        "engine": "flashpost", "cuda_graphs": graphs, "prefill_mode": prefill_mode, "flavor": flavor,
+        "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled, "prefill_mode": prefill_mode,
+        "flavor": flavor,
         "device": _device_name(device), "impl": args.impl, "sessions": n,
         "prompt_lens": [min(lens), max(lens), len(set(lens))],
         "new_tokens": new_tokens, "prefill_s": round(t1 - t0, 4), "prefill_forwards": prefill_forwards,
@@ -123,6 +132,20 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
         "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4),
     }  # fmt: skip
+
+
+def run_spec_cost(model, device, n: int, graphs: bool) -> dict:
+    """The speculation cost model of n rows as a speculative engine measures it (the drafter is random:
+    acceptance is not measured here, only what it would have to be)."""
+    engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
+                             speculative=SpeculativeConfig())  # fmt: skip
+    cost = engine.speculation_cost(n)
+    ms = 1e3
+    return {"engine": "speculation_cost", "sessions": n, "cuda_graphs": graphs,
+            "t_verify_ms": [round(t * ms, 3) for t in cost.t_verify], "t_draft_ms": round(cost.t_draft * ms, 3),
+            "t_plain_ms": round(cost.plain_time * ms, 3), "break_even": [round(x, 2) for x in cost.break_even()],
+            "best_speedup": round(cost.best_speedup(), 3),
+            "speculation_on": cost.best_speedup() >= engine.speculative.min_speedup}  # fmt: skip
 
 
 def run_hf(args, device, prompts, new_tokens) -> dict | None:
@@ -179,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens of the baseline (default: --new-tokens)")
     p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both", "none"),
                    help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
+    p.add_argument("--compile", default="off", choices=("on", "off", "both"),
+                   help="CUDA graph engines: the compiled decode step, the uncompiled one, or both")  # fmt: skip
+    p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
     a = p.parse_args(argv)
@@ -195,14 +221,24 @@ def main(argv: list[str] | None = None) -> None:
     rate = copy_gb_per_s(device)
     modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
     modes = modes if device.type == "cuda" else (False,)
+    compiles = {"on": (True,), "off": (False,), "both": (False, True)}[a.compile]  # the baseline first
+    engines = [(g, c) for g in modes for c in (compiles if g else (False,))]
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
     for n in sessions:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
-        for graphs in modes:
+        for graphs, compiled in engines:
             for pm in prefill_modes:
-                row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm)
+                try:
+                    row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled)
+                except Exception as e:  # a compile failure is a result too; the other rows still run
+                    if not compiled:
+                        raise
+                    row = {"engine": "flashpost", "cuda_graphs": graphs, "compile_decode": True, "sessions": n,
+                           "error": f"{type(e).__name__}: {str(e)[:2000]}"}  # fmt: skip
                 print(json.dumps(row), flush=True)
+        if a.spec_cost and model.mtp is not None:
+            print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
             row = run_hf(args, device, prompts, a.hf_new_tokens or new)
             if row is not None:

@@ -10,9 +10,11 @@ JSON lines:
       tokens/s of whole groups through one RolloutWorker (rl/actors.py), tokens fed to the model, CED
       replay tokens, prefix-cache hits per session start, DSpark drafting and acceptance, packed cache
       bytes per token. Every configuration runs the same groups (same seeds) after one warm-up group.
-  {"kind": "mismatch", "simulate_replay": ...}  learner vs rollout log-probs at the same weights on the
-      default configuration's episodes (rl/losses.py same_version_mismatch, the number trainers log):
-      mean |Δ log p| and k3, with the learner's simulated decoder replay on and off.
+  {"kind": "mismatch", "simulate_replay": ..., "routing_replay": ...}  learner vs rollout log-probs at the
+      same weights (rl/losses.py same_version_mismatch, the number trainers log): mean |Δ log p| and k3,
+      with the learner's simulated decoder replay on and off, and its routing replay (trainer.routing_replay)
+      on and off, all four on the same episodes: the default configuration run again with an engine that
+      records every token's experts (its own "rollout" row, features "default+record_routing").
   {"kind": "wire_format"}  tokens per tool call of the chat template's tool-call block, per tool.
 The weights are a seeded initialisation: acceptance of an untrained drafter is near 0, so speculation
 measures its loss and switches itself off; on trained weights (an SFT/DSpark checkpoint, --checkpoint)
@@ -60,10 +62,11 @@ def _requests(args: argparse.Namespace, first_group: int) -> list[list[RolloutRe
     return out
 
 
-def run_config(choice: ModelChoice, weights: dict, switches: dict, args: argparse.Namespace):
+def run_config(choice: ModelChoice, weights: dict, switches: dict, args: argparse.Namespace,
+               record_routing: bool = False):  # fmt: skip
     rollout = RolloutConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             threads_per_worker=args.threads, **switches)  # fmt: skip
-    worker = RolloutWorker(choice, rollout)
+    worker = RolloutWorker(choice, rollout, record_routing=record_routing)
 
     async def main():
         await worker.set_weights((VERSION, weights))
@@ -100,15 +103,16 @@ def run_config(choice: ModelChoice, weights: dict, switches: dict, args: argpars
     return trajs, record
 
 
-def mismatch(choice: ModelChoice, weights: dict, trajs, replay: bool, temperature: float) -> dict:
+def mismatch(choice: ModelChoice, weights: dict, trajs, replay: bool, routing: bool, temperature: float) -> dict:
     from rl.learner import Learner
 
     policy, _ = build_model(choice, seed=0)
     policy.load_state_dict(weights)
     n_tok = max(len(t) for t in trajs)
     # the learner's log-probs at the temperature the rollout sampled at (as JobConfig sets it)
-    cfg = TrainerConfig(kind="rl", simulate_replay=replay, micro_batch_tokens=n_tok, global_batch_tokens=n_tok,
-                        optim=OptimConfig(), policy_loss=PolicyLossConfig(temperature=temperature))  # fmt: skip
+    cfg = TrainerConfig(kind="rl", simulate_replay=replay, routing_replay=routing, micro_batch_tokens=n_tok,
+                        global_batch_tokens=n_tok, optim=OptimConfig(),
+                        policy_loss=PolicyLossConfig(temperature=temperature))  # fmt: skip
     learner = Learner(policy, cfg)
     sums = [same_version_mismatch(learner.logprobs(b), b.logprobs, b.versions, b.loss_mask, VERSION)
             for b in pack_for_learner(trajs, cfg)]  # fmt: skip
@@ -157,17 +161,19 @@ def main() -> None:
     meta = {"flavor": args.flavor, "groups": args.groups, "group_size": args.group_size, "turns": args.turns,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads, "loadavg": os.getloadavg()[0]}
     print(json.dumps(wire_format()), flush=True)
-    default_trajs = None
     for name in args.configs:
-        trajs, record = run_config(choice, weights, CONFIGS[name], args)
+        _, record = run_config(choice, weights, CONFIGS[name], args)
         print(json.dumps({"kind": "rollout", "features": name, **CONFIGS[name], **record, **meta}), flush=True)
-        if name == "default":
-            default_trajs = trajs
-    if default_trajs is not None:
+    if "default" in args.configs:
+        # the default path again, recording each token's experts, so routing replay has something to replay
+        trajs, record = run_config(choice, weights, CONFIGS["default"], args, record_routing=True)
+        print(json.dumps({"kind": "rollout", "features": "default+record_routing", **CONFIGS["default"], **record,
+                          **meta}), flush=True)  # fmt: skip
         for replay in (True, False):
-            m = mismatch(choice, weights, default_trajs, replay, args.temperature)
-            print(json.dumps({"kind": "mismatch", "simulate_replay": replay, "rollout": "default", **m, **meta}),
-                  flush=True)  # fmt: skip
+            for routing in (True, False):
+                m = mismatch(choice, weights, trajs, replay, routing, args.temperature)
+                print(json.dumps({"kind": "mismatch", "simulate_replay": replay, "routing_replay": routing,
+                                  "rollout": "default+record_routing", **m, **meta}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -388,18 +388,6 @@ class DSparkLoss:
     acceptance: torch.Tensor
 
 
-def draft_rows(mtp: DSpark, draft: DraftOutput, head_weight: torch.Tensor, rows: torch.Tensor) -> DraftOutput:
-    """The rows `rows` [B,S,k] bool of a logit-free DraftOutput (`with_logits=False`, Markov "teacher")
-    as a DraftOutput over n = rows.sum() rows: logits [n,V] fp32, confidence [n], draft_ids [n]
-    (stats kept). Only those rows' vocabulary logits are computed, in the forward and the backward: a
-    loss over few rows (a learner's generated tokens) costs n·V, not B·S·k·V. Pair it with the
-    targets of the same rows, e.g. `align_to_drafts(policy_logits, k)[rows]`."""
-    if draft.hidden is None or draft.prev_ids is None:
-        raise ValueError("draft_rows needs a DraftOutput from draft_teacher_forced(with_logits=False)")
-    logits = mtp.draft_logits(draft.hidden[rows], draft.prev_ids[rows], head_weight)
-    return DraftOutput(logits, draft.confidence[rows], logits.argmax(-1), draft.router_stats)
-
-
 def align_to_drafts(x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
     """x [B,S,...] -> [B,S,k,...] with out[:, s, i] = x[:, s+i] (`fill` past the end): e.g. the
     policy's logits/probs at s+i, the distribution row i of anchor s is trained on."""
@@ -416,34 +404,8 @@ def draft_target_ids(input_ids: torch.Tensor, k: int, doc_ids: torch.Tensor | No
     return nxt
 
 
-def dspark_loss(
-    draft: DraftOutput,
-    target: torch.Tensor,
-    accepted: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    confidence_weight: float = 1.0,
-) -> DSparkLoss:
-    """Alignment loss of the drafter to the current policy (DESIGN §3.1), a pure function.
-
-    draft_ce = −Σ_v sg(p_policy(v)) log p_draft(v) per row, with target [B,S,k,V] policy
-    probabilities (e.g. `align_to_drafts(policy_logits.softmax(-1), k)`) or hard ids [B,S,k]
-    (`draft_target_ids`; -1 = no target). confidence_bce = BCE of the confidence logit against
-    `accepted` [B,S,k] (does the draft token equal the policy's token; default: draft_ids equals the
-    target id, or the target's argmax). mask [B,S,k] bool selects rows (default: all rows with a
-    target; a probability row of all zeros counts as none)."""
-    ce, has_target, policy_ids = _draft_ce(torch.log_softmax(draft.logits.float(), dim=-1), target)
-    valid = has_target if mask is None else mask & has_target
-    if accepted is None:
-        accepted = draft.draft_ids == policy_ids
-    bce = F.binary_cross_entropy_with_logits(draft.confidence.float(), accepted.float(), reduction="none")
-    n = valid.sum().clamp_min(1)
-    ce_mean, bce_mean = (ce * valid).sum() / n, (bce * valid).sum() / n
-    acceptance = ((accepted & valid).sum() / n).detach()
-    return DSparkLoss(ce_mean + confidence_weight * bce_mean, ce_mean, bce_mean, acceptance)
-
-
 def _draft_ce(logp: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy, has-target mask and policy ids of `dspark_loss` (target: probs or ids)."""
+    """Per-row cross-entropy, has-target mask and policy ids of `dspark_loss_chunked` (target: probs or ids)."""
     if target.dim() == logp.dim():
         probs = target.detach().float()
         return -(probs * logp).sum(-1), probs.sum(-1) > 0, probs.argmax(-1)
@@ -461,17 +423,22 @@ def dspark_loss_chunked(
     confidence_weight: float = 1.0,
     chunk: int = 256,
 ) -> DSparkLoss:
-    """`dspark_loss` of a logit-free DraftOutput (`with_logits=False`), over anchor positions `chunk`
-    at a time: the same loss and gradients (up to fp32 summation order), but the draft logits and the
-    target of one chunk [B,chunk,k,V] are the largest vocabulary-sized tensors ever alive, in the
-    forward and in the backward (each chunk's cross-entropy is checkpointed: its logits are
-    recomputed during backward instead of kept).
+    """Alignment loss of the drafter to the current policy (DESIGN §3.1), over anchor positions `chunk`
+    at a time, from a logit-free DraftOutput (`with_logits=False`).
 
-    target(lo, hi): the target of anchors lo..hi-1, probabilities [B,hi-lo,k,V] or ids [B,hi-lo,k]
-    (as dspark_loss's); it is called under no_grad, again during backward for soft targets, so it
-    must be a pure function (build it from the policy's hidden state, not from stored logits).
-    accepted / mask [B,S,k] as dspark_loss's (default accepted: the draft's argmax equals the
-    target's)."""
+    draft_ce = −Σ_v sg(p_policy(v)) log p_draft(v) per row; confidence_bce = BCE of the confidence
+    logit against `accepted` [B,S,k] (does the draft token equal the policy's token; default: the
+    draft's argmax equals the target id, or the target's argmax); both are means over the valid rows:
+    mask [B,S,k] bool (default all) and has a target (an id >= 0, or a probability row not all zeros).
+    acceptance = fraction of valid rows accepted (no grad).
+
+    target(lo, hi): the target of anchors lo..hi-1, the policy's probabilities [B,hi-lo,k,V] (row i of
+    anchor s: its distribution at s+i) or hard ids [B,hi-lo,k] (`draft_target_ids`; -1 = none). It is
+    called under no_grad, and again during backward, so it must be a pure function of (lo, hi).
+
+    Memory: the draft logits and the target of one chunk [B,chunk,k,V] are the largest
+    vocabulary-sized tensors ever alive, in the forward and in the backward (each chunk's
+    cross-entropy is checkpointed: its logits are recomputed during backward instead of kept)."""
     if draft.hidden is None or draft.prev_ids is None:
         raise ValueError("dspark_loss_chunked needs a DraftOutput from draft_teacher_forced(with_logits=False)")
     if chunk < 1:
@@ -506,5 +473,5 @@ def dspark_loss_chunked(
 
 __all__ = [
     "DSpark", "DSparkCache", "DSparkLoss", "DSparkStage", "DraftOutput", "DraftStep", "align_to_drafts",
-    "draft_rows", "draft_target_ids", "dspark_loss", "dspark_loss_chunked",
+    "draft_target_ids", "dspark_loss_chunked",
 ]  # fmt: skip

@@ -11,11 +11,12 @@ the start of a generate call feeds) are fed in ragged steps of up to `prefill_ch
 over every session with tokens to feed (shorter rows padded, model/ragged_cache.py); the sessions a
 `generate` call decodes are then the rows of one `RaggedBatch` from their first decode step to their
 last, each step feeding every row's newest token in ONE forward (`RaggedBatch.decode`: fixed shapes,
-replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, one device-to-host copy of the sampled
-tokens per step), and a session that stops leaves the batch between steps with its cache. A
-generate call whose sessions lack only their newest token starts with such a decode step. CED
-prefill (model/ced.py `ced_prefill_ragged`) is ragged too: every session's unfed tokens, whatever
-their positions and counts, in ragged encoder steps and one decoder replay. Speculative verification
+replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, the forward compiled by inductor with
+`compile_decode=True`, one device-to-host copy of the sampled tokens per step), and a session that
+stops leaves the batch between steps with its cache. A generate call whose sessions lack only their
+newest token starts with such a decode step. CED prefill (model/ced.py `ced_prefill_ragged`) is
+ragged too: every session's unfed tokens, whatever their positions and counts, in ragged encoder
+steps and one decoder replay. Speculative verification
 runs per group of sessions at the same position (caches stacked and split back). Results do not
 depend on the batching beyond fp32 rounding (each session samples from its own generator).
 
@@ -36,6 +37,7 @@ fake-quantised tensors. `cache_bytes` reports the packed size either way.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ from typing import Literal
 
 import torch
 
+from model import ragged_cache
 from model.attention import LayerCache
 from model.ced import EngramFn, ced_prefill_ragged, check_ced
 from model.chat_template import ChatTemplate
@@ -51,7 +54,7 @@ from model.engram import EngramHasher
 from model.moe import routing_record
 from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
-from model.ragged_cache import GraphPool, RaggedBatch
+from model.ragged_cache import COMPILED_BUCKETS, GRAPH_BUCKETS, GraphPool, RaggedBatch
 from model.sampling import sample
 from model.speculative import (
     CostModel,
@@ -100,16 +103,39 @@ class _Session:
     next_logits: torch.Tensor | None = None
     next_version: int = 0  # policy version of the weights that computed next_logits
     versions: list[int | None] = field(default_factory=list)  # per token; None = not generated
-    # speculative engines: DSpark context [1,n,X] of the newest fed tokens (ends at cache.seq_len) that
-    # the drafter has not consumed yet, and the session's acceptance statistics
-    main_hidden: torch.Tensor | None = None
+    # speculative engines: the session's acceptance statistics, and (`main_hidden`) the DSpark context
+    # [1,n,X] of the newest fed tokens (ends at cache.seq_len) that the drafter has not consumed yet:
+    # `_hidden`, then the decode steps' rows `_steps` ((step output [B,1,X], row) each) not joined yet
     spec: SpecStats = field(default_factory=SpecStats)
     # record_routing engines: [n, n_layers, K] int32 blocks of the fed tokens' experts, in token order
     routing: list[torch.Tensor] = field(default_factory=list)
+    _hidden: torch.Tensor | None = None
+    _steps: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    _keep: int = 0
 
     @property
     def n_unfed(self) -> int:
         return len(self.token_ids) - self.cache.seq_len
+
+    @property
+    def main_hidden(self) -> torch.Tensor | None:
+        if self._steps:  # joined when read: one cat per session then, not one per decode step
+            parts = [] if self._hidden is None else [self._hidden]
+            h = torch.cat(parts + [out[b : b + 1] for out, b in self._steps], dim=1)
+            self._hidden, self._steps = h[:, max(0, h.size(1) - self._keep) :], []
+        return self._hidden
+
+    @main_hidden.setter
+    def main_hidden(self, value: torch.Tensor | None) -> None:
+        self._hidden, self._steps = value, []
+
+    def stash_step(self, out_BSX: torch.Tensor, row: int, keep: int) -> None:
+        """A decode step's context (row `row` of its [B,1,X] output) appended, kept to `keep` tokens."""
+        self._steps.append((out_BSX, row))
+        self._keep = keep
+        if len(self._steps) >= keep:  # the steps alone fill the context: older entries are gone
+            del self._steps[: len(self._steps) - keep]
+            self._hidden = None
 
 
 class InferenceEngine:
@@ -130,6 +156,7 @@ class InferenceEngine:
         speculative: SpeculativeConfig | None = None,
         packed_cache: bool = False,
         cuda_graphs: bool | None = None,
+        compile_decode: bool | None = None,
         record_routing: bool = False,
     ):
         self.device = torch.device(device)
@@ -144,7 +171,16 @@ class InferenceEngine:
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}: pass cuda_graphs=False")
         if cuda_graphs and model.args.impl != "triton":
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
-        self.graphs = GraphPool() if cuda_graphs else None
+        # compile_decode: decode steps run model.forward_ragged compiled by inductor (model/ragged_cache.py
+        # compile_decode), captured by the graphs, one compile per graph bucket (fewer buckets). Off by
+        # default: on the H200 (torch 2.11) inductor cannot lower the indexer launcher's bool->uint8
+        # view (docs/engine_throughput.md), so a compiled step fails there
+        if compile_decode is None:
+            compile_decode = False
+        if compile_decode and record_routing:
+            raise ValueError("record_routing records in Python, which a compiled step skips: pass compile_decode=False")
+        self.graphs = GraphPool(COMPILED_BUCKETS if compile_decode else GRAPH_BUCKETS) if cuda_graphs else None
+        self._decode_forward = ragged_cache.compile_decode(model) if compile_decode else None
         # packed_cache: sessions' LayerCaches store the window rings as FP8 and the global banks as
         # FP4/MXFP4 bytes (model/packed_cache.py), unpacked to dense on every read. Off by default:
         # without a kernel reading the bytes, each step unpacks the whole bank in torch (memory for
@@ -187,7 +223,7 @@ class InferenceEngine:
         # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
         # positions), tokens generated, tokens the decoder replayed in CED prefills: for benches and tests
         self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
-                      "decode_steps": 0}  # fmt: skip
+                      "decode_steps": 0, "speculation_off_calls": 0}  # fmt: skip
         self._next_id = 0
         # DSpark speculation: caches keep max_draft tokens of rollback, fed tokens keep their DSpark context
         self.speculative = speculative
@@ -605,7 +641,8 @@ class InferenceEngine:
         return still
 
     def _decode_batch(self, sessions: list[_Session], active: list[int], max_tokens: int) -> RaggedBatch:
-        return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs)
+        return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
+                           forward=self._decode_forward)  # fmt: skip
 
     def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> torch.Tensor:
         """Feed every row's one unfed token (its newest generated one) in one ragged forward; returns
@@ -625,7 +662,7 @@ class InferenceEngine:
             if routing is not None:
                 s.routing.append(routing[b, :1])
             if main_hidden is not None:
-                self._stash_hidden(s, main_hidden[b : b + 1])
+                s.stash_step(main_hidden, b, self.model.args.window_size + self._max_rollback)
         return logits_BV
 
     def _generators(self, seed: int | Sequence[int] | None, n: int) -> list[torch.Generator]:
@@ -659,11 +696,21 @@ class InferenceEngine:
         takes the sessions at one position (one batch), drafts, verifies anchor + k drafts in one
         forward and accepts; every row that goes on keeps the shortest emitted length among the rows
         that go on (rows of one forward share start_pos), so a group stays one batch. Rows that stop
-        keep their tokens up to the stop. Statistics: `speculation_stats`."""
+        keep their tokens up to the stop. Statistics: `speculation_stats`.
+
+        Speculation switches itself off for the call when it cannot win: if the batch's cost model
+        (`speculation_cost`, which times the engine's plain decode, CUDA graphs included) says that
+        even with every draft accepted a speculative step emits fewer tokens per second than a plain
+        decode step (`CostModel.best_speedup` below `min_speedup`), the call is `generate` with the
+        same arguments (counted in stats["speculation_off_calls"])."""
         if self.speculative is None:
             raise ValueError("build the engine with speculative=SpeculativeConfig() to decode speculatively")
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
+        n = sum(len(self._get(i).token_ids) < self.max_seq_len for i in session_ids)
+        if n and max_new_tokens > 1 and self.speculation_cost(n).best_speedup() < self.speculative.min_speedup:
+            self.stats["speculation_off_calls"] += 1
+            return self.generate(session_ids, max_new_tokens, temperature, top_p, stop_ids, stop_strings, seed)
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
         sessions = [self._get(i) for i in session_ids]
@@ -702,14 +749,51 @@ class InferenceEngine:
         return self._get(session_id).spec.as_dict()
 
     def speculation_cost(self, batch: int) -> CostModel:
-        """The cost model of `batch` rows: the config's, else measured on this device once and cached."""
+        """The cost model of `batch` rows: the config's, else measured on this device once and cached
+        (with CUDA graphs, t_plain is a graph decode step of `batch` rows, `_plain_step_time`)."""
         if self.speculative.cost is not None:
             return self.speculative.cost
         if batch not in self._spec_costs:
-            self._spec_costs[batch] = measure_cost_model(
-                self.model, self._verify_forward, batch, self._max_rollback, device=self.device
-            )  # fmt: skip
+            cost = measure_cost_model(self.model, self._verify_forward, batch, self._max_rollback, device=self.device)
+            if self.graphs is not None:
+                cost.t_plain = self._plain_step_time(batch)
+            self._spec_costs[batch] = cost
         return self._spec_costs[batch]
+
+    @torch.inference_mode()
+    def _plain_step_time(self, batch: int, repeats: int = 5) -> float:
+        """Seconds of one `RaggedBatch.decode` step of `batch` rows on this engine's decode path (its
+        CUDA graphs and compiled forward) after a window of random context: the median of `repeats`
+        steps after one that captures (and compiles) the bucket."""
+        a, dev = self.model.args, self.device
+        n = a.window_size + self._max_rollback + 1
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, a.vocab_size, (batch, n + repeats + 1), generator=g).tolist()
+        max_tokens = min(self.max_seq_len, -(-(n + repeats + 1) // _GRAPH_TOKENS) * _GRAPH_TOKENS)
+        hasher = self._hasher or self.model.engram_hasher
+
+        def engram(pos: list[int], step: list[list[int]]) -> dict | None:
+            if not a.engram_layer_ids:
+                return None
+            return _engram_rows(hasher, ids, pos, step, a.engram_max_ngram_size - 1, dev)
+
+        pre = RaggedBatch(self.model, [self._new_cache() for _ in range(batch)], max_tokens)
+        pre.step([row[:n] for row in ids], engram(pre.pos, [row[:n] for row in ids]))
+        caches = pre.split()
+        rows = RaggedBatch(self.model, caches, max_tokens, pool=self.graphs, forward=self._decode_forward)
+        times = []
+        try:
+            for r in range(repeats + 1):
+                step = [row[n + r] for row in ids]
+                eng = engram(rows.pos, [[t] for t in step])
+                _sync(dev)
+                t0 = time.perf_counter()
+                rows.decode(step, eng, return_main_hidden=True)
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+        finally:
+            rows.split()
+        return sorted(times[1:])[repeats // 2]
 
     @torch.inference_mode()
     def _speculative_group(self, idx, sessions, outs, gens, temperature, top_p, limits) -> list[int]:
@@ -745,7 +829,7 @@ class InferenceEngine:
         scans = [self._scan(sessions[i], outs[i], emitted[b], *limits) for b, i in enumerate(idx)]
         going_on = [n for n, finish in scans if finish is None]
         m = min(going_on) if going_on else 0
-        still, t_plain, n_kept = [], cost.step_time(0), 0
+        still, t_plain, n_kept = [], cost.plain_time, 0  # against the engine's plain decode
         step_time = cost.t_verify[res.k] + (cost.t_draft if k_max > 0 else 0.0)  # a draft is paid even for k = 0
         for b, (i, s) in enumerate(zip(idx, group)):
             n, finish = scans[b]
@@ -881,6 +965,11 @@ def _row(v, row: int):
     if dataclasses.is_dataclass(v):
         return type(v)(**{k: _row(x, row) for k, x in _fields(v).items()})
     return v
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 __all__ = ["FinishReason", "Generation", "InferenceEngine"]

@@ -21,7 +21,8 @@ where not complete), so their shapes stay fixed from step to step; with a `Graph
 replay CUDA graphs: the batch's tensors then live in the pool's storage of `capacity` rows (the
 smallest bucket >= the rows; the rest padding rows at position 0), each step's cache updates are
 copied back into that storage inside the graph, one graph per bucket of live rows, reused by later
-batches of the same shapes.
+batches of the same shapes. `compile_decode` gives the decode forward compiled by inductor (fused
+kernels, static shapes per bucket), which a pool captures as it would the eager one.
 CED prefill (model/ced.py `ced_prefill_ragged`) runs its encoder steps through `step(encoder_only=True)`
 and its decoder replay on the batch's caches (`clear_rings`, `realign`).
 Not here: rollback (`truncate` works on per-session caches only, so speculative verification runs
@@ -31,6 +32,7 @@ on those).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -48,7 +50,8 @@ class RaggedBatch:
     `max_tokens`: the most tokens any row will hold (sizes the banks); `slack`: the most padding a
     row gets in one step (the longest step minus the row's tokens: 0 for decode steps, where every
     row feeds one token; a prefill chunk where a row may be fed nothing). `pool` (CUDA, decode
-    batches): the batch's tensors live in the pool's storage and `decode` replays its graphs."""
+    batches): the batch's tensors live in the pool's storage and `decode` replays its graphs.
+    `forward`: what decode steps call in place of model.forward_ragged (`compile_decode`)."""
 
     def __init__(
         self,
@@ -57,9 +60,12 @@ class RaggedBatch:
         max_tokens: int,
         slack: int = 0,
         pool: GraphPool | None = None,
+        forward: Callable | None = None,
     ):
         a, c0 = model.args, caches[0]
         self.model = model
+        # the decode steps' forward: model.forward_ragged, or `compile_decode`'s (prefill steps run eager)
+        self.forward = forward or model.forward_ragged
         self.max_tokens = max_tokens
         n_live = len(caches)
         if pool is not None:  # padding rows up to the capacity: empty caches, position 0
@@ -74,7 +80,7 @@ class RaggedBatch:
         # the batch keeps `slack` more ring entries: attention and the model size rings by max_rollback
         self.cache = ModelCache(max_rollback=rb + self.slack, encoder_out_len=c0.encoder_out_len, seq_len=0)
         # (owner index, field) -> (keep, per-row lengths); owner -1 = the ModelCache itself
-        self.rings: dict[tuple[int, str], tuple[int, list[int]]] = {}
+        self.rings = {}
         empty = _empty_entries(model, c0.layers[0].packed if c0.layers else False)
         keeps = {"recent_ids": a.engram_max_ngram_size - 1 + rb, "encoder_h": c0.encoder_out_len + rb,
                  "encoder_pre": c0.encoder_out_len + rb}  # fmt: skip
@@ -199,15 +205,28 @@ class RaggedBatch:
             out = self._graphs.decode(ids, engram_inputs, return_main_hidden)
         else:
             dev = self.model.embed.weight.device
-            out = self.model.forward_ragged(
+            out = self.forward(
                 torch.tensor(ids, device=dev)[:, None], torch.tensor(self.pos, device=dev),
                 torch.ones(len(ids), dtype=torch.long, device=dev), self.cache, max_end=self.max_tokens,
                 bank_slots=self.bank_slots, engram_inputs=engram_inputs, return_main_hidden=return_main_hidden,
             )  # fmt: skip
         self.pos = [p + 1 for p in self.pos]
-        for key, (keep, lens) in self.rings.items():
-            self.rings[key] = (keep, [min(m + 1, keep) for m in lens])
+        self._pending += 1  # every ring of every row gained one entry: counted when next read
         return out
+
+    @property
+    def rings(self) -> dict[tuple[int, str], tuple[int, list[int]]]:
+        """(owner index, field) -> (keep, per-row real entries). Decode steps only count themselves
+        (`_pending`); the lengths are brought up to date here, when read (a batch of 256 rows has
+        ~60 rings: 15k list updates per step otherwise)."""
+        if self._pending:
+            p, self._pending = self._pending, 0
+            self._rings = {k: (keep, [min(m + p, keep) for m in lens]) for k, (keep, lens) in self._rings.items()}
+        return self._rings
+
+    @rings.setter
+    def rings(self, value: dict[tuple[int, str], tuple[int, list[int]]]) -> None:
+        self._rings, self._pending = value, 0
 
     @property
     def bank_slots(self) -> dict[int, int]:
@@ -270,6 +289,36 @@ class RaggedBatch:
 
 # live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# with a compiled forward each bucket costs one inductor compile of the whole model: fewer buckets,
+# more padding (a step's time grows far slower than its rows below 256)
+COMPILED_BUCKETS = (1, 4, 16, 64, 128, 256)
+# dynamo backend of compile_decode ("aot_eager" traces the same graphs without inductor's kernels:
+# an ablation of the fusion itself)
+COMPILE_BACKEND = "inductor"
+
+
+def compile_decode(model: Transformer) -> Callable:
+    """model.forward_ragged compiled for decode steps: static shapes (one compile per batch shape, so
+    per bucket), inductor's own CUDA graphs off (a GraphPool captures the compiled step with the
+    cache copy-backs around it), bf16 rounding of fused intermediates kept as eager rounds them
+    (emulate_precision_casts), so compiled steps stay within rounding of eager ones. Triton kernels
+    of impl=triton compile in as user kernels; what dynamo cannot trace runs eagerly between graphs."""
+    # each (layer frame, bucket) is a cache entry of its code object: dynamo's default of 8 would
+    # silently leave later buckets eager
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 16 * len(GRAPH_BUCKETS))
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 64 * len(GRAPH_BUCKETS))
+    import torch._inductor.config as inductor_config
+
+    # Python floats passed to the Triton kernels typed fp32, as Triton's own launcher types them
+    # (inductor's default, fp64, breaks kernels that feed them to fp32-only math such as sqrt_rn)
+    wanted = {"emulate_precision_casts": True, "_use_fp64_for_unbacked_floats": False}
+    options = (
+        {k: v for k, v in wanted.items() if hasattr(inductor_config, k)} if COMPILE_BACKEND == "inductor" else None
+    )
+    return torch.compile(model.forward_ragged, dynamic=False, backend=COMPILE_BACKEND, options=options)
+
+
 _MAX_STORAGES = 4  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)
 
 
@@ -367,7 +416,8 @@ class _BatchGraphs:
             if self.pool._mempool is None:
                 self.pool._mempool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool._mempool):
+            # a compiled forward must not compile while capturing (its warm-up above compiled this shape)
+            with torch.cuda.graph(graph, pool=self.pool._mempool), torch.compiler.set_stance("fail_on_recompile"):
                 st.graphs[key] = (graph, self._forward(b, hidden))
             self.pool.captures += 1
         if hidden:
@@ -378,7 +428,7 @@ class _BatchGraphs:
         """forward_ragged over the storage's first b rows, the updated rings copied back into it."""
         st, batch = self.st, self.batch
         eng = None if st.hashes is None else {"hashes": st.hashes[:b], "engram_mask": None}
-        out = batch.model.forward_ragged(
+        out = batch.forward(
             st.ids[:b], st.pos[:b], st.ones[:b], batch.cache, max_end=batch.max_tokens, bank_slots=batch.bank_slots,
             engram_inputs=eng, return_main_hidden=hidden,
         )  # fmt: skip
@@ -451,4 +501,4 @@ def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool) -> None:
     out[row_N.to(out.device), col_N.to(out.device)] = flat
 
 
-__all__ = ["GRAPH_BUCKETS", "GraphPool", "RaggedBatch"]
+__all__ = ["COMPILED_BUCKETS", "GRAPH_BUCKETS", "GraphPool", "RaggedBatch", "compile_decode"]

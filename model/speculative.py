@@ -58,10 +58,13 @@ class SpeculativeConfig:
 @dataclass
 class CostModel:
     """Seconds per step of one batch: t_verify[k] = a forward of k+1 tokens per row (t_verify[0]: a
-    plain one-token decode), t_draft = one draft_step."""
+    plain one-token decode), t_draft = one draft_step. t_plain: a step of the engine's plain decode
+    when that is not the speculative path's own one-token forward (CUDA-graph decode: the speculative
+    path is eager), None when it is (t_verify[0])."""
 
     t_verify: list[float]
     t_draft: float
+    t_plain: float | None = None
 
     def step_time(self, k: int) -> float:
         return self.t_verify[k] + (self.t_draft if k > 0 else 0.0)
@@ -69,6 +72,20 @@ class CostModel:
     def relative(self) -> list[float]:
         """Step time of k = 0..K in units of a plain decode step."""
         return [self.step_time(k) / self.t_verify[0] for k in range(len(self.t_verify))]
+
+    @property
+    def plain_time(self) -> float:
+        return self.t_verify[0] if self.t_plain is None else self.t_plain
+
+    def break_even(self) -> list[float]:
+        """Per k = 0..K: the tokens a step must emit on average (1 + accepted drafts) to match the
+        engine's plain decode (step_time(k) / plain_time)."""
+        return [self.step_time(k) / self.plain_time for k in range(len(self.t_verify))]
+
+    def best_speedup(self) -> float:
+        """Speculation's speedup over plain decode if every draft were accepted, at its best k: the
+        most it can gain (below 1: it loses whatever the drafter's acceptance)."""
+        return max((k + 1) / be for k, be in enumerate(self.break_even()))
 
 
 @dataclass
@@ -276,7 +293,7 @@ def align_drafter(
     chunk: int | None = None,
 ) -> dict:
     """Align the DSpark drafter (`mtp.*` only) to the frozen backbone on `sequences` [N,S] (e.g. the
-    backbone's own continuations): `steps` AdamW steps of dspark_loss with the backbone's sampling
+    backbone's own continuations): `steps` AdamW steps of dspark_loss_chunked with the backbone's sampling
     distribution (temperature 0: its argmax) at every position as the target. The confidence head
     learns what verification will do: at temperature 0 whether the draft is the argmax; above, a
     Bernoulli draw of the acceptance probability Σ_v min(p, q) (an unbiased label for the BCE). The

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.dspark import DSparkLoss, align_to_drafts, draft_rows, draft_target_ids, dspark_loss
+from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_loss_chunked
 from model.moe import routing_replay, update_expert_bias
 from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
@@ -39,6 +39,10 @@ from rl.payloads import TrainBatch, Trajectory, pack_trajectories
 
 # length of the dummy micro-batch of a rank that has none while others train (see Learner._pad_ranks)
 FILLER_TOKENS = 16
+# the DSpark term's largest vocabulary-sized tensor (elements): its draft logits and targets are built over
+# this many rows x k x vocab at a time (at the released tokenizer's vocabulary, 129,280, a 4096-token
+# micro-batch's [4096,5,V] fp32 draft logits would be 10.6 GB; 2^27 elements, 512 MiB, is ~200 positions)
+DSPARK_CHUNK_LOGITS = 1 << 27
 
 
 @dataclass
@@ -109,23 +113,39 @@ def _dspark_only(learner: Learner, out: TransformerOutput, batch: TrainBatch, de
 LOSS_KINDS: dict[str, LossFn] = {"sft": _sft, "rl": _rl, "opd": _opd, "dspark": _dspark_only}
 
 
-def dspark_term(model: nn.Module, out: TransformerOutput, batch: TrainBatch) -> DSparkLoss | None:
+def dspark_term(
+    model: nn.Module, out: TransformerOutput, batch: TrainBatch, chunk_logits: int = DSPARK_CHUNK_LOGITS
+) -> DSparkLoss | None:
     """DSpark alignment on one micro-batch (DESIGN §3.1): row i of anchor s learns sg(p_policy) at s+i,
     on rows whose target token s+1+i is a generated (loss-mask) token of the same document. None when
-    the model has no drafter. Gradients reach `mtp.*` only (the drafter reads detached features)."""
+    the model has no drafter. Gradients reach `mtp.*` only (the drafter reads detached features).
+    The loss is taken over anchor positions a chunk at a time (`dspark_loss_chunked`): no [B,S,k,V]
+    draft logits or targets exist, only [B,chunk,k,V] with B·chunk·k·V <= `chunk_logits`."""
     if getattr(model, "mtp", None) is None or out.main_hidden is None:
         return None
     k = model.mtp.block_size
+    S = batch.input_ids.size(1)
     in_doc = draft_target_ids(batch.input_ids, k, batch.doc_ids) >= 0
     generated = align_to_drafts(F.pad(batch.loss_mask[:, 1:], (0, 1), value=False), k, False)
-    rows = in_doc & generated & (batch.doc_ids >= 0)[..., None]
-    # only the anchors and vocabulary logits of the trained rows (a few generated tokens of long prompts)
-    anchors = rows.any(-1)
+    mask = in_doc & generated & (batch.doc_ids >= 0)[..., None]
+    # only the anchors with a trained row (a few generated tokens of long prompts): drafts [1,n,k,..]
+    anchors = mask.any(-1)
+    b_n, s_n = anchors.nonzero(as_tuple=True)
     draft = model.draft_teacher_forced(
         out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids, with_logits=False, anchors=anchors
     )
-    target = align_to_drafts(out.logits.detach(), k)[rows].float().softmax(-1)
-    return dspark_loss(draft_rows(model.mtp, draft, model.head.weight.detach(), rows[anchors][None]), target)
+    logits = out.logits.detach()
+
+    def target(lo: int, hi: int) -> torch.Tensor:
+        # the policy's probabilities at s..s+k-1 of the selected anchors lo..hi-1 (none past the end)
+        pos = s_n[lo:hi, None] + torch.arange(k, device=s_n.device)
+        p = logits[b_n[lo:hi, None], pos.clamp(max=S - 1)].float().softmax(-1)
+        return (p * (pos < S)[..., None])[None]
+
+    chunk = max(1, chunk_logits // (k * model.head.weight.size(0)))
+    return dspark_loss_chunked(
+        model.mtp, draft, model.head.weight.detach(), target, mask=mask[anchors][None], chunk=chunk
+    )
 
 
 class Learner:

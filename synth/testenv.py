@@ -120,6 +120,16 @@ def _setup_py(source: bytes) -> tuple[str, list[str]]:
     return name, reqs
 
 
+def _ini(source: bytes) -> configparser.ConfigParser:
+    """setup.cfg / tox.ini parsed without interpolation; one that does not parse reads as empty."""
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(source.decode(errors="replace"))
+    except configparser.Error:
+        return configparser.ConfigParser(interpolation=None)
+    return parser
+
+
 def declared(files: dict[str, bytes]) -> tuple[str, list[str]]:
     """(the project's own name, every requirement its tests declare), from a tree {path: bytes}."""
     name, reqs, extras = "", [], {}
@@ -136,11 +146,7 @@ def declared(files: dict[str, bytes]) -> tuple[str, list[str]]:
         for group in TEST_EXTRAS + ("dev",):
             reqs += [r for r in doc.get("dependency-groups", {}).get(group, []) if isinstance(r, str)]
     if "setup.cfg" in files:
-        cfg = configparser.ConfigParser(interpolation=None)
-        try:
-            cfg.read_string(files["setup.cfg"].decode(errors="replace"))
-        except configparser.Error:
-            cfg = configparser.ConfigParser()
+        cfg = _ini(files["setup.cfg"])
         name = name or cfg.get("metadata", "name", fallback="")
         reqs += _lines(cfg.get("options", "install_requires", fallback=""))
         if cfg.has_section("options.extras_require"):
@@ -149,11 +155,7 @@ def declared(files: dict[str, bytes]) -> tuple[str, list[str]]:
         setup_name, setup_reqs = _setup_py(files["setup.py"])
         name, reqs = name or setup_name, reqs + setup_reqs
     if "tox.ini" in files:
-        tox = configparser.ConfigParser(interpolation=None)
-        try:
-            tox.read_string(files["tox.ini"].decode(errors="replace"))
-        except configparser.Error:
-            tox = configparser.ConfigParser()
+        tox = _ini(files["tox.ini"])
         for line in _lines(tox.get("testenv", "deps", fallback="")):
             line = line.replace("{toxinidir}/", "")
             if line.startswith(("-r", "--requirement")):

@@ -1,6 +1,7 @@
-"""CUDA-graph decode (model/ragged_cache.py GraphPool) against the eager engine on the GPU: sessions
-of mixed lengths get token for token what the eager decode gives them (greedy and seeded), also
-while sessions leave the batch and when a later call replays the graphs of an earlier one."""
+"""CUDA-graph decode (model/ragged_cache.py GraphPool), with and without the inductor-compiled step
+(compile_decode), against the eager engine on the GPU: sessions of mixed lengths get token for token
+what the eager decode gives them (greedy and seeded), also while sessions leave the batch and when a
+later call replays the graphs of an earlier one."""
 
 import dataclasses
 
@@ -25,10 +26,11 @@ LENGTHS = (1, 4, 9, 16, 17, 30)
 ATOL = 1e-4
 
 
-def _run(graphs: bool, temperature: float, stop_ids=()) -> tuple[list, InferenceEngine]:
+def _run(graphs: bool, temperature: float, stop_ids=(), compiled: bool = False) -> tuple[list, InferenceEngine]:
     model = Transformer(ARGS)
     model.init_weights(seed=0, std=0.1)
-    engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()), device="cuda", cuda_graphs=graphs)
+    engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()), device="cuda", cuda_graphs=graphs,
+                             compile_decode=compiled)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     sids = [engine.start(torch.randint(32, ARGS.vocab_size, (n,), generator=g).tolist()) for n in LENGTHS]
     first = engine.generate(sids, 12, temperature=temperature, stop_ids=stop_ids, seed=3)
@@ -42,13 +44,15 @@ def _run(graphs: bool, temperature: float, stop_ids=()) -> tuple[list, Inference
     return [(o.token_ids, o.logprobs) for o in first + again], engine
 
 
+# the compiled step fuses fp32 chains and reorders reductions: rounding of ~1e-6, as batching
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_graph_decode_equals_eager(temperature):
+def test_graph_decode_equals_eager(temperature, compiled):
     eager, _ = _run(False, temperature)
     # stop the first session at its third token: rows then leave a graph batch
     stop = (eager[0][0][2],)
     eager, _ = _run(False, temperature, stop)
-    graphed, _ = _run(True, temperature, stop)
+    graphed, _ = _run(True, temperature, stop, compiled)
     assert len(graphed[0][0]) < 12, "the stop id did not end the first session early"
     for (toks_e, lps_e), (toks_g, lps_g) in zip(eager, graphed):
         assert toks_g == toks_e

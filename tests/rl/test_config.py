@@ -114,6 +114,19 @@ def test_model_flavors_build_args():
         job.model.build_args()
 
 
+@pytest.mark.parametrize("flavor", ["tiny", "tiny_demo", "small"])
+def test_trainable_flavors_fit_the_default_tokenizer(flavor):
+    """The jobs tokenize with the shipped default tokenizer: these flavors' Engram hashers accept it (a
+    flavor sized for the released tokenizer is refused, compressed vocab 2742 != 99092)."""
+    from model.engram import EngramHasher
+    from model.tokenizer import Tokenizer
+
+    args = to_job_config(_compose("train", [f"model={flavor}"])).model.build_args()
+    tokenizer = Tokenizer.default()
+    assert args.vocab_size >= tokenizer.vocab_size
+    EngramHasher(args, tokenizer)
+
+
 @pytest.mark.parametrize("trainer", ["sft", "rl", "opd", "dspark"])
 def test_installed_entry_point_runs_outside_the_repository(tmp_path, trainer):
     # The console script imports rl.train as a module; its config path must not depend on the cwd.

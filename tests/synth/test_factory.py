@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 
-from envs import engine
 from envs.task import load_tasks
 from synth import mutations
 from synth.config import Context, FactoryOptions
@@ -24,17 +23,6 @@ from synth.stages.specify import fix_needles
 from synth.statement import write_statement
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture(scope="module")
-def engine_ready():
-    if not engine.engine_available():
-        pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
-    engine.ensure_base_image(build=True)
-    yield
-    left = engine.list_containers({engine.LABEL_OWNER: engine.owner_id()})
-    engine.reap_containers({engine.LABEL_OWNER: engine.owner_id()})
-    assert not left, f"containers leaked: {[c['Id'][:12] for c in left]}"
 
 
 def opts_for(out, **kw) -> FactoryOptions:

@@ -38,15 +38,6 @@ print(json.dumps(hits))
 
 
 @pytest.fixture(scope="module")
-def engine_ready():
-    if not engine.engine_available():
-        pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
-    engine.ensure_base_image(build=True)
-    yield
-    engine.reap_containers({engine.LABEL_OWNER: engine.owner_id()})
-
-
-@pytest.fixture(scope="module")
 def fixture_set(engine_ready, tmp_path_factory):
     from synth.taskset_sources import fixture_source
 

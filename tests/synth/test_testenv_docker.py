@@ -13,7 +13,6 @@ import zipfile
 
 import pytest
 
-from envs import engine
 from envs.sandbox import Sandbox
 from synth import testenv
 from synth.stages.build import build_tree_image
@@ -42,17 +41,6 @@ TREE = {
                          b"@pytest.mark.slow\ndef test_slow():\n    assert False\n",
     "other/test_outside.py": b"def test_outside():\n    assert False\n",  # not under testpaths
 }
-
-
-@pytest.fixture(scope="module")
-def engine_ready():
-    if not engine.engine_available():
-        pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
-    engine.ensure_base_image(build=True)
-    yield
-    left = engine.list_containers({engine.LABEL_OWNER: engine.owner_id()})
-    engine.reap_containers({engine.LABEL_OWNER: engine.owner_id()})
-    assert not left, f"containers leaked: {[c['Id'][:12] for c in left]}"
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

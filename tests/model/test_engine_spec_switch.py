@@ -1,0 +1,73 @@
+"""Speculation switching itself off (InferenceEngine.generate_speculative): a call whose cost model
+says that even fully accepted drafts lose to the engine's plain decode step (`CostModel.t_plain`:
+on CUDA the graph decode step, which the eager speculative path cannot match) is the plain
+`generate` call, token for token; with a cost model under which drafts can win it speculates."""
+
+import pytest
+import torch
+
+from model.chat_template import ChatTemplate
+from model.config import get_flavor
+from model.engine import InferenceEngine
+from model.engram import EngramHasher
+from model.speculative import CostModel, SpeculativeConfig
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+
+torch.set_num_threads(1)
+
+ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742, qat=False)
+K = ARGS.dspark_block_size
+PROMPTS = [(7, 1), (12, 2), (21, 3)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    template = ChatTemplate(Tokenizer.default())
+    m = Transformer(ARGS, engram_hasher=EngramHasher(ARGS, template.tokenizer))
+    m.init_weights(seed=0, std=0.2)
+    prompts = [torch.randint(32, ARGS.vocab_size, (n,), generator=torch.Generator().manual_seed(s)).tolist()
+               for n, s in PROMPTS]  # fmt: skip
+    return m.eval(), template, prompts
+
+
+def test_cost_model_break_even():
+    # verify of k+1 tokens: 10, 11, 12 ms; a draft 4 ms; graph decode 5 ms
+    cost = CostModel([0.010, 0.011, 0.012], 0.004, t_plain=0.005)
+    assert cost.break_even() == pytest.approx([2.0, 3.0, 3.2])
+    assert cost.best_speedup() == pytest.approx(3 / 3.2)  # k = 2, all accepted: still slower
+    assert CostModel([0.010, 0.011, 0.012], 0.004).best_speedup() == pytest.approx(3 / 1.6)  # vs eager plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_losing_speculation_is_plain_generate(setup, temperature):
+    m, template, prompts = setup
+    losing = CostModel([1.0] * (K + 1), 1.0, t_plain=0.1)  # K+1 tokens per 2 s against 1 per 0.1 s
+    spec = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig(cost=losing))
+    plain = InferenceEngine(m, template, max_sessions=4)
+    got = spec.generate_speculative([spec.start(p) for p in prompts], 8, temperature, stop_ids=(), seed=5)
+    want = plain.generate([plain.start(p) for p in prompts], 8, temperature, stop_ids=(), seed=5)
+    assert spec.stats["speculation_off_calls"] == 1
+    assert all(spec.speculation_stats(s)["drafted"] == 0 for s in spec.session_ids)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+
+
+def test_winning_speculation_drafts(setup):
+    m, template, prompts = setup
+    winning = CostModel([1.0] * (K + 1), 0.0, t_plain=1.0)  # every draft is free
+    spec = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig(cost=winning))
+    sids = [spec.start(p) for p in prompts]
+    spec.generate_speculative(sids, 8, stop_ids=())
+    assert spec.stats["speculation_off_calls"] == 0
+    assert all(spec.speculation_stats(s)["drafted"] > 0 for s in sids)
+
+
+def test_plain_step_time_leaves_no_trace(setup):
+    """The plain-step measurement (on CUDA: graph decode steps) on the eager path here: a positive
+    time, no session opened, the engine's counters untouched."""
+    m, template, _ = setup
+    engine = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig())
+    before = dict(engine.stats)
+    assert engine._plain_step_time(2, repeats=2) > 0
+    assert engine.session_ids == [] and engine.stats == before
