@@ -118,9 +118,11 @@ def dspark_term(
 ) -> DSparkLoss | None:
     """DSpark alignment on one micro-batch (DESIGN §3.1): row i of anchor s learns sg(p_policy) at s+i,
     on rows whose target token s+1+i is a generated (loss-mask) token of the same document. None when
-    the model has no drafter. Gradients reach `mtp.*` only (the drafter reads detached features).
-    The loss is taken over anchor positions a chunk at a time (`dspark_loss_chunked`): no [B,S,k,V]
-    draft logits or targets exist, only [B,chunk,k,V] with B·chunk·k·V <= `chunk_logits`."""
+    the model has no drafter or the batch no such row. Gradients reach `mtp.*` only (the drafter reads
+    detached features).
+    Only anchors with a trained row are drafted, and the loss is taken over them a chunk at a time
+    (`dspark_loss_chunked`): no [B,S,k,V] draft logits or targets exist, only [1,chunk,k,V] with
+    chunk·k·V <= `chunk_logits`."""
     if getattr(model, "mtp", None) is None or out.main_hidden is None:
         return None
     k = model.mtp.block_size
@@ -131,6 +133,8 @@ def dspark_term(
     # only the anchors with a trained row (a few generated tokens of long prompts): drafts [1,n,k,..]
     anchors = mask.any(-1)
     b_n, s_n = anchors.nonzero(as_tuple=True)
+    if b_n.numel() == 0:  # no generated token to align to (e.g. a rank's filler micro-batch)
+        return None
     draft = model.draft_teacher_forced(
         out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids, with_logits=False, anchors=anchors
     )

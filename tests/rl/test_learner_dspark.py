@@ -58,6 +58,16 @@ def test_dspark_loss_reaches_only_the_drafter():
     assert reached and all(n.startswith("mtp.") for n in reached), sorted(n for n in reached if "mtp" not in n)
 
 
+def test_a_batch_without_generated_tokens_has_no_dspark_term():
+    """A micro-batch with no loss-mask token (a rank's filler batch) has no row to align: no term, no
+    drafter forward over zero anchors."""
+    model = _model()
+    b = _batches()[0]
+    b.loss_mask = torch.zeros_like(b.loss_mask)
+    out = model(b.input_ids, b.doc_ids, compute_indexer_loss=False)
+    assert dspark_term(model, out, b) is None
+
+
 def _full_formula(model: Transformer, out, b) -> dict[str, torch.Tensor]:
     """The DSpark term over the full [B,S,k,V] draft logits and policy probabilities at once."""
     k = model.mtp.block_size
