@@ -99,7 +99,8 @@ class Demo:
     def factory_families(self, stage_dir: Path) -> dict:
         c = self.cfg
         return self._factory(["build", "--source", "families", "--out", str(stage_dir), "--budget",
-                              str(c.families_budget), "--seed", str(c.seed)], stage_dir)  # fmt: skip
+                              str(c.families_budget), "--n-heldout", str(c.families_heldout), "--seed", str(c.seed)],
+                             stage_dir)  # fmt: skip
 
     def merge(self, stage_dir: Path) -> dict:
         from synth import taskset

@@ -26,7 +26,8 @@ class DemoConfig:
     # the factory's two sources: the bundled sample repository (verified tasks wanted; 0: skip it) and the
     # synthetic families (`--budget` family-A tasks with demonstrations, half as many family-B, tests only)
     factory_budget: int = 4
-    families_budget: int = 48
+    families_budget: int = 96
+    families_heldout: int = 12  # held-out tasks of each family (the evaluations' A and B rows)
     # each training job's steps (its trainer.max_steps) and each evaluation's episodes per held-out task
     # (pass@1 is their mean; pass@k uses k = eval_samples)
     sft_steps: int = 40
@@ -36,15 +37,27 @@ class DemoConfig:
     eval_samples: int = 2
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
-    jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=4")
+    # A family episode's longest call (edit) is 38-44 tokens: 48 new tokens a turn leave room, and an untrained
+    # policy's babble ends sooner; 4 turns hold look -> edit -> tests -> submit.
+    jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=4",
+                            "++rollout.max_new_tokens=48")
     # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x
     # group_size = 32), so all of them decode in one batch instead of waiting for a sandbox slot
     train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",
                              "++env.max_concurrent=32")
-    eval: list[str] = _list()  # flashpost-eval overrides beyond samples=k=eval_samples
-    # SFT on the demonstrations of every train task (families A and the sample repository's)
-    sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4",
-                           "++trainer.checkpoint_every=10", "++trainer.optim.lr=2e-3", "++trainer.optim.muon_lr=0.02")
+    # flashpost-eval overrides beyond samples=k=eval_samples: all episodes of an evaluation run in one batch,
+    # 16 sandboxes at a time
+    eval: list[str] = _list("++env.max_concurrent=16")
+    # SFT on the demonstrations of every train task (families A and the sample repository's): the learner
+    # alone on both cores; one demonstration per 1024-token row (packing 4 in a row costs 8.3 s a step
+    # against 5.1: attention and the indexer are quadratic in the row); embedding and head at the
+    # matrices' pace (sinkhorn_lr), warm-up then cosine decay; the DSpark drafter stays frozen (its term
+    # slowed the policy's loss; rollouts switch speculation off where it does not pay)
+    sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4", "++trainer.threads=2",
+                           "++trainer.micro_batch_tokens=1024", "++trainer.dspark_weight=0",
+                           "++trainer.checkpoint_every=20", "++trainer.optim.lr=2e-3", "++trainer.optim.muon_lr=0.02",
+                           "++trainer.optim.sinkhorn_lr=2e-3", "++trainer.optim.schedule=cosine",
+                           "++trainer.optim.warmup_steps=5")
     # RL from the SFT policy on family B (tests only), DEMO_NOTES' recipe: T = 0.7 with log-probs at T,
     # groups of 8, zero-spread groups skipped (rl/advantages.py), lag 1
     rl: list[str] = _list("trainer=rl", "++trainer.checkpoint_every=4",
@@ -53,9 +66,11 @@ class DemoConfig:
                           "++trainer.optim.muon_lr=2e-3")
     # the student: the policy at half width (same vocabulary, so OPD compares whole distributions)
     student: list[str] = _list("++model.overrides.dim=64", "++model.overrides.moe_inter_dim=64")
-    student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4",
-                                   "++trainer.checkpoint_every=10", "++trainer.optim.lr=2e-3",
-                                   "++trainer.optim.muon_lr=0.02")
+    student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4", "++trainer.threads=2",
+                                   "++trainer.micro_batch_tokens=1024", "++trainer.dspark_weight=0",
+                                   "++trainer.checkpoint_every=20", "++trainer.optim.lr=2e-3",
+                                   "++trainer.optim.muon_lr=0.02", "++trainer.optim.sinkhorn_lr=2e-3",
+                                   "++trainer.optim.schedule=cosine", "++trainer.optim.warmup_steps=5")
     # OPD continues from the SFT-only student towards the RL'd policy (the teacher: `teacher_model`)
     opd: list[str] = _list("trainer=opd", "++trainer.checkpoint_every=4",
                            "++rollout.group_size=2", "++rollout.groups_per_step=4", "++rollout.temperature=1.0",
@@ -68,6 +83,7 @@ class DemoConfig:
         if min(steps) < 1:
             raise ValueError(f"demo: sft_steps, rl_steps, student_sft_steps, opd_steps and eval_samples must be >= 1, "
                              f"got {steps}")
-        if self.factory_budget < 0 or self.families_budget < 2:
+        if self.factory_budget < 0 or self.families_budget < 2 or self.families_heldout < 1:
             raise ValueError(f"demo.factory_budget={self.factory_budget} must be >= 0 (0: no sample repository) and "
-                             f"demo.families_budget={self.families_budget} >= 2 (family B gets half)")
+                             f"demo.families_budget={self.families_budget} >= 2 (family B gets half), "
+                             f"demo.families_heldout={self.families_heldout} >= 1")
