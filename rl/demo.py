@@ -133,7 +133,8 @@ class Demo:
         source = EVALS[stage_dir.name]
         checkpoint = _checkpoint(self.run_dir, source) if source else "null"
         c = self.cfg
-        overrides = [*c.jobs, *self._student(stage_dir.name), *c.eval, f"samples={c.eval_samples}",
+        base = c.eval_base if source is None else []
+        overrides = [*c.jobs, *self._student(stage_dir.name), *c.eval, *base, f"samples={c.eval_samples}",
                      f"k={c.eval_samples}", f"tasks={self.run_dir / TASKS}", f"checkpoint={checkpoint}",
                      f"out_dir={stage_dir}", f"++seed={c.seed}", f"++init_seed={c.seed}", f"++rollout.seed={c.seed}"]
         _record_command(self.run_dir, stage_dir.name, "flashpost-eval " + " ".join(overrides))

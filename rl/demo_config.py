@@ -25,16 +25,16 @@ class DemoConfig:
     seed: int = 0  # experiment=demo sets it from trainer.seed; it seeds the task sets and every job
     # the factory's two sources: the bundled sample repository (verified tasks wanted; 0: skip it) and the
     # synthetic families (`--budget` family-A tasks with demonstrations, half as many family-B, tests only)
-    factory_budget: int = 4
+    factory_budget: int = 2
     families_budget: int = 96
     families_heldout: int = 12  # held-out tasks of each family (the evaluations' A and B rows)
     # each training job's steps (its trainer.max_steps) and each evaluation's episodes per held-out task
     # (pass@1 is their mean; pass@k uses k = eval_samples)
-    sft_steps: int = 40
+    sft_steps: int = 60
     rl_steps: int = 8
     student_sft_steps: int = 20
     opd_steps: int = 4
-    eval_samples: int = 2
+    eval_samples: int = 1
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
     # A family episode's longest call (edit) is 38-44 tokens: 48 new tokens a turn leave room, and an untrained
@@ -45,16 +45,21 @@ class DemoConfig:
     # group_size = 32), so all of them decode in one batch instead of waiting for a sandbox slot
     train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",
                              "++env.max_concurrent=32")
-    # flashpost-eval overrides beyond samples=k=eval_samples: all episodes of an evaluation run in one batch,
+    # flashpost-eval overrides beyond samples=k=eval_samples: greedy episodes (pass@1 is then one episode
+    # per task; the RL job samples at its own temperature), all of an evaluation's episodes in one batch,
     # 16 sandboxes at a time
-    eval: list[str] = _list("++env.max_concurrent=16")
+    eval: list[str] = _list("++rollout.temperature=0.0", "++env.max_concurrent=16")
+    # the seeded initialisation's evaluation: it never emits a parsed tool call, so every turn runs to
+    # max_new_tokens; 2 turns measure its pass@1 at half the cost of 4
+    eval_base: list[str] = _list("++rollout.max_turns=2")
     # SFT on the demonstrations of every train task (families A and the sample repository's): the learner
-    # alone on both cores; one demonstration per 1024-token row (packing 4 in a row costs 8.3 s a step
-    # against 5.1: attention and the indexer are quadratic in the row); embedding and head at the
+    # alone on both cores; 2048-token rows (a family demonstration is ~630 tokens, the sample repository's
+    # up to ~1700: three family ones share a row; the attention and indexer cost is quadratic in the row,
+    # 4 demonstrations in a 4096 row took 8.3 s a step against 5.1 in four 1024 rows); embedding and head at the
     # matrices' pace (sinkhorn_lr), warm-up then cosine decay; the DSpark drafter stays frozen (its term
     # slowed the policy's loss; rollouts switch speculation off where it does not pay)
-    sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4", "++trainer.threads=2",
-                           "++trainer.micro_batch_tokens=1024", "++trainer.dspark_weight=0",
+    sft: list[str] = _list("trainer=sft", "++trainer.batch_size=6", "++trainer.threads=2",
+                           "++trainer.micro_batch_tokens=2048", "++trainer.dspark_weight=0",
                            "++trainer.checkpoint_every=20", "++trainer.optim.lr=2e-3", "++trainer.optim.muon_lr=0.02",
                            "++trainer.optim.sinkhorn_lr=2e-3", "++trainer.optim.schedule=cosine",
                            "++trainer.optim.warmup_steps=5")
@@ -66,8 +71,8 @@ class DemoConfig:
                           "++trainer.optim.muon_lr=2e-3")
     # the student: the policy at half width (same vocabulary, so OPD compares whole distributions)
     student: list[str] = _list("++model.overrides.dim=64", "++model.overrides.moe_inter_dim=64")
-    student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=4", "++trainer.threads=2",
-                                   "++trainer.micro_batch_tokens=1024", "++trainer.dspark_weight=0",
+    student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=6", "++trainer.threads=2",
+                                   "++trainer.micro_batch_tokens=2048", "++trainer.dspark_weight=0",
                                    "++trainer.checkpoint_every=20", "++trainer.optim.lr=2e-3",
                                    "++trainer.optim.muon_lr=0.02", "++trainer.optim.sinkhorn_lr=2e-3",
                                    "++trainer.optim.schedule=cosine", "++trainer.optim.warmup_steps=5")

@@ -85,7 +85,7 @@ def test_demo_is_typed_and_its_jobs_compose():
     assert ev.model == policy.model and ev.rollout.prefill_mode == "ced"
     sft = to_job_config(job_config("train", [*d.jobs, *d.train, *d.sft, "++trainer.max_steps=30"]))
     # the SFT learner alone on both cores, one demonstration a row, cosine decay over the job's own steps
-    assert (sft.trainer.threads, sft.trainer.micro_batch_tokens, sft.trainer.dspark_weight) == (2, 1024, 0.0)
+    assert (sft.trainer.threads, sft.trainer.micro_batch_tokens, sft.trainer.dspark_weight) == (2, 2048, 0.0)
     assert (sft.trainer.optim.schedule, sft.trainer.optim.decay_steps) == ("cosine", 30)
 
 
