@@ -534,15 +534,14 @@ def indexer_alignment_loss(out: IndexerOutput, p_comp_BSHK: torch.Tensor) -> tor
     the same entries. Only the indexer's parameters receive gradient (its inputs are detached),
     as in DeepSeek sparse attention. Queries with no selected entry are skipped.
     """
-    assert out.scores is not None, "the indexer took its restricted path: call it with need_scores=True"
+    assert out.topk_scores is not None, "the indexer ran without need_scores=True (or took its restricted path)"
     valid_BSK = out.topk_idxs >= 0
     with torch.no_grad():
         p_BSK = p_comp_BSHK.detach().sum(2) * valid_BSK
         mass_BS1 = p_BSK.sum(-1, keepdim=True)
         target_BSK = p_BSK / mass_BS1.clamp_min(1e-30)
         row_ok = valid_BSK.any(-1) & (mass_BS1.squeeze(-1) > 0)
-    logits_BSK = out.scores.gather(-1, out.topk_idxs.clamp(min=0))
-    logits_BSK = torch.where(valid_BSK, logits_BSK, -1e30)  # finite: no NaN in backward
+    logits_BSK = torch.where(valid_BSK, out.topk_scores, -1e30)  # finite: no NaN in backward
     kl_BS = (torch.xlogy(target_BSK, target_BSK) - target_BSK * F.log_softmax(logits_BSK, -1)).sum(-1)
     if not bool(row_ok.any()):
         return kl_BS.sum() * 0.0

@@ -369,6 +369,18 @@ class DSparkLoss:
     acceptance: torch.Tensor
 
 
+def draft_rows(mtp: DSpark, draft: DraftOutput, head_weight: torch.Tensor, rows: torch.Tensor) -> DraftOutput:
+    """The rows `rows` [B,S,k] bool of a logit-free DraftOutput (`with_logits=False`, Markov "teacher")
+    as a DraftOutput over n = rows.sum() rows: logits [n,V] fp32, confidence [n], draft_ids [n]
+    (stats kept). Only those rows' vocabulary logits are computed, in the forward and the backward: a
+    loss over few rows (a learner's generated tokens) costs n·V, not B·S·k·V. Pair it with the
+    targets of the same rows, e.g. `align_to_drafts(policy_logits, k)[rows]`."""
+    if draft.hidden is None or draft.prev_ids is None:
+        raise ValueError("draft_rows needs a DraftOutput from draft_teacher_forced(with_logits=False)")
+    logits = mtp.draft_logits(draft.hidden[rows], draft.prev_ids[rows], head_weight)
+    return DraftOutput(logits, draft.confidence[rows], logits.argmax(-1), draft.router_stats)
+
+
 def align_to_drafts(x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
     """x [B,S,...] -> [B,S,k,...] with out[:, s, i] = x[:, s+i] (`fill` past the end): e.g. the
     policy's logits/probs at s+i, the distribution row i of anchor s is trained on."""
@@ -475,5 +487,5 @@ def dspark_loss_chunked(
 
 __all__ = [
     "DSpark", "DSparkCache", "DSparkLoss", "DSparkStage", "DraftOutput", "DraftStep", "align_to_drafts",
-    "draft_target_ids", "dspark_loss", "dspark_loss_chunked",
+    "draft_rows", "draft_target_ids", "dspark_loss", "dspark_loss_chunked",
 ]  # fmt: skip

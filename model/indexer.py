@@ -29,16 +29,27 @@ def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
     Among equal scores the NEWER (larger) position wins. After the indexer's ReLU many scores are
     exactly 0, so ties at the cut are common and `torch.topk`'s device-dependent order would change
-    which entries are attended (DESIGN.md §2). The rule is implemented once, here, as a stable
-    descending sort of the position-reversed scores; every path of the default numerics (indexer,
-    candidate blocks, tests, the Triton engine) must use it; numerics="reference" calls torch.topk.
-    `-inf` entries sort last and are returned like any other pick.
+    which entries are attended (DESIGN.md §2). The rule is implemented once, here; every path of the
+    default numerics (indexer, candidate blocks, tests, the Triton engine) must use it;
+    numerics="reference" calls torch.topk. `-inf` entries sort last and are returned like any other
+    pick; NaN sorts first (as in a descending sort); -0.0 ties with 0.0.
     Returns (values, indices), both [..., min(k, n)], in descending score order.
+
+    Computed as `torch.topk` of a unique int64 key: the score's fp32 bits mapped to an order-preserving
+    int32 (negative floats have their 31 magnitude bits flipped) in the high half, the position in the
+    low half, so equal scores order by position, newest first. O(n) per row where the stable sort of
+    all n scores was O(n log n) (tests/model/test_indexer.py checks it against that sort).
     """
     n = scores.size(-1)
     k = min(k, n)
-    values, rev = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
-    return values[..., :k], (n - 1) - rev[..., :k]
+    if n >= 2**31:
+        raise ValueError(f"topk_indices keys positions in 31 bits; got {n} entries")
+    x = scores.float() + 0.0  # + 0.0 turns -0.0 into 0.0 (they tie)
+    bits = x.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).masked_fill(x.isnan(), 2**31 - 1).long()
+    key = (ordered << 32) | torch.arange(n, device=scores.device)
+    idx = key.topk(k, dim=-1).values & 0xFFFFFFFF
+    return scores.gather(-1, idx), idx
 
 
 def index_scores_ref(
@@ -51,6 +62,50 @@ def index_scores_ref(
     # ReLU per head BEFORE the weighted head sum (§3.6 step 5).
     score_BSG = torch.einsum("bsig,bsi->bsg", dots_BSIG.relu(), w_BSI)
     return score_BSG if visible_BSG is None else score_BSG.masked_fill(~visible_BSG, -torch.inf)
+
+
+MIN_SCORE_COLUMNS = 16
+
+
+def causal_index_scores(
+    q_BSID: torch.Tensor, k_BGD: torch.Tensor, w_BSI: torch.Tensor, visible_BSG: torch.Tensor, chunk: int = 128
+) -> torch.Tensor:
+    """`index_scores_ref`'s values [B,S,G] fp32 without autograd (the picks take no gradient), computed
+    per chunk of `chunk` queries over only the groups some query of the chunk sees: causality and
+    document boundaries leave most of [S,G] invisible in a training row, and the [B,S,I,G] product of
+    the reference is then never built for it. The same einsums on slices: the same values (tested)."""
+    B, S, _, _ = q_BSID.shape
+    G = k_BGD.size(1)
+    score_BSG = torch.full((B, S, G), -torch.inf, dtype=torch.float32, device=q_BSID.device)
+    seen_SG = visible_BSG.any(0)
+    with torch.no_grad():
+        for lo in range(0, S, chunk):
+            cols = seen_SG[lo : lo + chunk].any(0).nonzero()
+            if cols.numel() == 0:
+                continue
+            g0, g1 = int(cols[0]), int(cols[-1]) + 1
+            # >= 16 groups wide: GEMMs this narrow round like the full-width one (the CPU BLAS takes
+            # another kernel below ~12 columns); the extra groups are masked anyway
+            g1 = min(G, max(g1, g0 + MIN_SCORE_COLUMNS))
+            g0 = max(0, min(g0, g1 - MIN_SCORE_COLUMNS))
+            rows = slice(lo, lo + chunk)
+            score_BSG[:, rows, g0:g1] = index_scores_ref(
+                q_BSID[:, rows], k_BGD[:, g0:g1], w_BSI[:, rows], visible_BSG[:, rows, g0:g1]
+            )
+    return score_BSG
+
+
+def gathered_index_scores(
+    q_BSID: torch.Tensor, k_BGD: torch.Tensor, w_BSI: torch.Tensor, idx_BSK: torch.Tensor
+) -> torch.Tensor:
+    """`index_scores_ref` at the picked groups only, [B,S,K] fp32 (junk where idx_BSK is -1), with
+    autograd: all the alignment loss differentiates (§3.6: it reads the scores of the selected entries),
+    at S·K instead of S·G dot products. Equal to the dense scores up to fp32 summation order (tested)."""
+    B, S, K = idx_BSK.shape
+    flat = idx_BSK.clamp(min=0).reshape(B, S * K, 1).expand(B, S * K, k_BGD.size(-1))
+    k_BSKD = k_BGD.float().gather(1, flat).view(B, S, K, -1)
+    dots_BSIK = torch.einsum("bsid,bskd->bsik", q_BSID.float(), k_BSKD)
+    return torch.einsum("bsik,bsi->bsk", dots_BSIK.relu(), w_BSI)
 
 
 def index_scores_bf16_ref(
@@ -140,12 +195,16 @@ class IndexerOutput:
     when a Reindex layer took the restricted path (`Indexer.forward`), which never builds them: only
     the indexer alignment loss reads scores, and asking for it (`need_scores`) keeps the dense path.
     candidates: [B,S,G] bool and candidate_blocks: [B,S,C] int64 (the kept block ids, ascending,
-    -1 = dropped), both only from the candidate source layer."""
+    -1 = dropped), both only from the candidate source layer. topk_scores [B,S,K] fp32: the scores at
+    topk_idxs (junk at -1), the tensor the alignment loss differentiates; None with `scores`. On the
+    torch impl (default numerics) `scores` carries no gradient and topk_scores is recomputed at the picks
+    (`gathered_index_scores`); elsewhere it is gathered from the differentiable `scores`."""
 
     topk_idxs: torch.Tensor
     scores: torch.Tensor | None
     candidates: torch.Tensor | None = None
     candidate_blocks: torch.Tensor | None = None
+    topk_scores: torch.Tensor | None = None
 
 
 class Indexer(nn.Module):
@@ -286,7 +345,12 @@ class Indexer(nn.Module):
             assert candidate_blocks_BSC is not None
             idx_BSK = self._restricted_topk(q_BSID, index_k_BGD, w_BSI, visible_BSG, candidate_blocks_BSC)
             return IndexerOutput(idx_BSK, None)
-        score_BSG = self.index_scores(q_BSID, index_k_BGD, w_BSI, visible_BSG)
+        # torch impl, default numerics: picks from gradient-free scores over the visible range only
+        lean = self.index_scores is index_scores_ref
+        if lean:
+            score_BSG = causal_index_scores(q_BSID, index_k_BGD, w_BSI, visible_BSG)
+        else:
+            score_BSG = self.index_scores(q_BSID, index_k_BGD, w_BSI, visible_BSG)
         reference = self.numerics == "reference"
         candidates = blocks = None
         if self.is_candidate_source:
@@ -300,12 +364,19 @@ class Indexer(nn.Module):
             assert candidates_BSG is not None, f"layer {self.layer_id} needs the candidate pool"
             score_BSG = score_BSG.masked_fill(~candidates_BSG, -torch.inf)
         if reference:
-            return IndexerOutput(self._reference_topk(score_BSG.detach(), visible_BSG), score_BSG, candidates, blocks)
-        vals_BSK, idx_BSK = topk_indices(score_BSG.detach(), self.index_topk)
-        idx_BSK = torch.where(vals_BSK > -torch.inf, idx_BSK, -1)
-        # Position order like the reference (-1 first); attention does not depend on the order.
-        idx_BSK = idx_BSK.sort(dim=-1).values
-        return IndexerOutput(idx_BSK, score_BSG, candidates, blocks)
+            idx_BSK = self._reference_topk(score_BSG.detach(), visible_BSG)
+        else:
+            vals_BSK, idx_BSK = topk_indices(score_BSG.detach(), self.index_topk)
+            idx_BSK = torch.where(vals_BSK > -torch.inf, idx_BSK, -1)
+            # Position order like the reference (-1 first); attention does not depend on the order.
+            idx_BSK = idx_BSK.sort(dim=-1).values
+        topk_scores = None
+        if need_scores:
+            if lean:
+                topk_scores = gathered_index_scores(q_BSID, index_k_BGD, w_BSI, idx_BSK)
+            else:
+                topk_scores = score_BSG.gather(-1, idx_BSK.clamp(min=0))
+        return IndexerOutput(idx_BSK, score_BSG, candidates, blocks, topk_scores)
 
     def _reference_topk(self, score_BSG: torch.Tensor, visible_BSG: torch.Tensor) -> torch.Tensor:
         """The released code's picks: `torch.topk(sorted=False)` (its tie order), sorted ascending,

@@ -41,11 +41,53 @@ def hc_split_sinkhorn(
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
     comb = comb / comb.sum(dim=-1, keepdim=True) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre, post, sinkhorn_normalize(comb, iters, eps)
+
+
+def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """One column normalisation, then iters-1 (row, column) passes: c / (Σ c + eps) each, [..., hc, hc].
+
+    Values are exactly the plain torch composition's. The gradient is hand-written (`_SinkhornNorm`):
+    autograd of the composition records ~6 nodes per pass over tiny [.., hc, hc] tensors, and at the
+    default 20 iterations those node costs, not arithmetic, made it a large share of a CPU training step.
+    """
+    return _SinkhornNorm.apply(comb, iters, eps)
+
+
+class _SinkhornNorm(torch.autograd.Function):
+    """y = c / d, d = Σ_dim c + eps per pass; backward per pass: g_c = (g_y - Σ_dim g_y·y) / d."""
+
+    @staticmethod
+    def forward(ctx, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        dims = (-2,) + (-1, -2) * (iters - 1)
+        ys, ds = [], []
+        for dim in dims:
+            d = _sum_keep(comb, dim) + eps
+            comb = comb / d
+            ys.append(comb)
+            ds.append(d)
+        ctx.dims = dims
+        ctx.save_for_backward(*ys, *ds)
+        return comb
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        n = len(ctx.dims)
+        saved = ctx.saved_tensors
+        for i in reversed(range(n)):
+            y, d, dim = saved[i], saved[n + i], ctx.dims[i]
+            g = (g - _sum_keep(g * y, dim)) / d
+        return g, None, None
+
+
+def _sum_keep(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x.sum(dim, keepdim=True)` over a dim of hc entries as hc-1 slice additions in index order: the
+    same values as torch's sum of so few entries (sequential), without its reduction setup per call,
+    which dominates on [..., hc, hc] (a tested equality, tests/model/test_mhc.py)."""
+    s = x.narrow(dim, 0, 1)
+    for i in range(1, x.size(dim)):
+        s = s + x.narrow(dim, i, 1)
+    return s
 
 
 def hc_coefficients(

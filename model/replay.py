@@ -207,7 +207,11 @@ def _assemble(model: Transformer, enc: Streams, segments: list, losses: list, B:
         if mh is not None:
             mh = mh.index_put((torch.full_like(sel, b), sel + lo), main_hidden[0, sel])
         covered[b, lo:hi] |= owner[b, lo:hi] == j
-    logits = model.head(x_BSD.float())
+    # the head over covered positions only (about a third of a long-prompt row): elsewhere x is 0 and
+    # the bias-free head gives exactly the 0 logits SimulatedOutput documents
+    b_idx, s_idx = covered.nonzero(as_tuple=True)
+    logits = torch.zeros(B, S, model.head.out_features, dtype=torch.float32, device=ref.device)
+    logits = logits.index_put((b_idx, s_idx), model.head(x_BSD[b_idx, s_idx].float()))
     stats = enc.stats + [_merge_stats([seg[7][i] for seg in segments], [seg[:3] for seg in segments], owner, a, B, S)
                          for i in range(a.n_layers - E)]  # fmt: skip
     indexer_loss = torch.stack(losses).mean() if losses else logits.new_zeros(())

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.dspark import DSparkLoss, align_to_drafts, draft_target_ids, dspark_loss
+from model.dspark import DSparkLoss, align_to_drafts, draft_rows, draft_target_ids, dspark_loss
 from model.moe import routing_replay, update_expert_bias
 from model.transformer import TransformerOutput
 from rl.config import TrainerConfig
@@ -116,11 +116,13 @@ def dspark_term(model: nn.Module, out: TransformerOutput, batch: TrainBatch) -> 
     if getattr(model, "mtp", None) is None or out.main_hidden is None:
         return None
     k = model.mtp.block_size
-    draft = model.draft_teacher_forced(out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids)
-    target = align_to_drafts(out.logits.detach().float().softmax(-1), k)
+    draft = model.draft_teacher_forced(out.main_hidden, batch.input_ids, k, doc_ids=batch.doc_ids, with_logits=False)
     in_doc = draft_target_ids(batch.input_ids, k, batch.doc_ids) >= 0
     generated = align_to_drafts(F.pad(batch.loss_mask[:, 1:], (0, 1), value=False), k, False)
-    return dspark_loss(draft, target, mask=in_doc & generated & (batch.doc_ids >= 0)[..., None])
+    rows = in_doc & generated & (batch.doc_ids >= 0)[..., None]
+    # vocabulary logits of the trained rows only (a few generated tokens of long prompts)
+    target = align_to_drafts(out.logits.detach(), k)[rows].float().softmax(-1)
+    return dspark_loss(draft_rows(model.mtp, draft, model.head.weight.detach(), rows), target)
 
 
 class Learner:

@@ -135,10 +135,10 @@ def test_indexer_alignment_loss_zero_iff_distributions_match():
     scores = torch.full((1, 1, 6), -torch.inf)
     scores[0, 0, [0, 2, 5]] = target.log()
     scores.requires_grad_(True)
-    loss = indexer_alignment_loss(IndexerOutput(idxs, scores), probs[..., 1:])
+    loss = indexer_alignment_loss(IndexerOutput(idxs, scores, topk_scores=scores.gather(-1, idxs)), probs[..., 1:])
     assert abs(loss.item()) < 1e-6
     flat = torch.zeros(1, 1, 6, requires_grad=True)
-    loss = indexer_alignment_loss(IndexerOutput(idxs, flat), probs[..., 1:])
+    loss = indexer_alignment_loss(IndexerOutput(idxs, flat, topk_scores=flat.gather(-1, idxs)), probs[..., 1:])
     loss.backward()
     kl = float((target * (target / (1 / 3)).log()).sum())
     assert abs(loss.item() - kl) < 1e-6

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.speculative as speculative
 from model.config import get_flavor
-from model.dspark import align_to_drafts, draft_target_ids, dspark_loss, dspark_loss_chunked
+from model.dspark import align_to_drafts, draft_rows, draft_target_ids, dspark_loss, dspark_loss_chunked
 from model.engram import EngramHasher
 from model.transformer import Transformer
 
@@ -74,6 +74,39 @@ def test_chunked_loss_equals_full_loss(kind, chunk, masked):
     got = dspark_loss_chunked(
         model.mtp, lean, model.head.weight.detach(), lambda lo, hi: target[:, lo:hi], mask=mask, chunk=chunk
     )
+    got.loss.backward()
+    got_grads = _mtp_grads(model)
+    model.zero_grad(set_to_none=True)
+
+    for name in ("loss", "draft_ce", "confidence_bce", "acceptance"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-7, msg=name)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_draft_rows_loss_equals_masked_full_loss():
+    """`draft_rows` (the learner's DSpark term): logits of the masked rows only give dspark_loss's
+    masked value and drafter gradients. Same tolerance as above: the per-row values are the same
+    ops on the same rows; only the sum over rows is taken over n rows instead of B·S·k (zeros)."""
+    model = _model()
+    k = model.args.dspark_block_size
+    ids = _ids(2, S)
+    with torch.no_grad():
+        out = model(ids)
+    target = align_to_drafts(torch.softmax(out.logits / 0.7, -1), k)
+    mask = (torch.rand(2, S, k, generator=torch.Generator().manual_seed(4)) < 0.3) & (target.sum(-1) > 0)
+
+    model.zero_grad(set_to_none=True)
+    want = dspark_loss(model.draft_teacher_forced(out.main_hidden, ids, k), target, mask=mask)
+    want.loss.backward()
+    want_grads = _mtp_grads(model)
+
+    model.zero_grad(set_to_none=True)
+    lean = model.draft_teacher_forced(out.main_hidden, ids, k, with_logits=False)
+    rows = draft_rows(model.mtp, lean, model.head.weight.detach(), mask)
+    assert rows.logits.shape == (int(mask.sum()), model.args.vocab_size)
+    got = dspark_loss(rows, target[mask])
     got.loss.backward()
     got_grads = _mtp_grads(model)
     model.zero_grad(set_to_none=True)

@@ -27,6 +27,30 @@ def test_topk_k_larger_than_n_and_neg_inf_last():
     assert vals[0, 0] == 3 and torch.isinf(vals[0, 1:]).all()
 
 
+def _sorted_topk(scores, k):
+    """The tie rule written as a stable descending sort of the position-reversed scores."""
+    n = scores.size(-1)
+    values, rev = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
+    return values[..., : min(k, n)], (n - 1) - rev[..., : min(k, n)]
+
+
+def test_topk_equals_the_stable_sort_with_ties_signed_zeros_inf_and_nan():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        # ReLU'd, head-weighted scores: many exact zeros of both signs, repeated values, -inf masks
+        scores = (torch.randn(3, 40, 97, generator=g).relu() * torch.randn(3, 40, 1, generator=g)).round(decimals=1)
+        scores[:, :, 60:] = -torch.inf
+        scores[0, :5, 3] = float("nan")
+        scores[1, :, :50] = -0.0
+        scores = scores.to(dtype)
+        assert (scores == 0).sum() > 1000 and torch.signbit(scores[scores == 0]).any()
+        for k in (1, 32, 97, 200):
+            want_v, want_i = _sorted_topk(scores, k)
+            got_v, got_i = topk_indices(scores, k)
+            assert torch.equal(got_i, want_i), (dtype, k)
+            assert got_v.dtype == dtype and torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+
+
 def _reference_candidates(logits, compress_lens, topk_blocks, block_size):
     """model_reference §3.7 written directly (contiguous blocks), with distinct scores."""
     width = logits.size(-1)
@@ -140,3 +164,34 @@ def test_reindex_layer_scores_only_inside_candidates():
     out = idx(*_inputs(args, B, S, G), visible, qat=False, candidates_BSG=cand)
     for s in range(S):
         assert sorted(i for i in out.topk_idxs[0, s].tolist() if i >= 0) == [1, 4]
+
+
+def test_training_scores_chunked_exact_and_gathered_close():
+    """The torch training path: `causal_index_scores` equals the dense reference bit for bit (the same
+    einsums on slices of queries and groups); `gathered_index_scores` equals it at the picks and gives
+    the same gradients up to fp32 summation order (dot products of 16-64 terms, sums of 4 heads:
+    1e-5 relative bounds the reassociation with margin)."""
+    from model.indexer import causal_index_scores, gathered_index_scores, index_scores_ref
+
+    g = torch.Generator().manual_seed(0)
+    B, S, I, D = 2, 300, 4, 32
+    doc = torch.tensor([[0] * 130 + [1] * 170, [0] * 300])
+    gl = build_packed_layout(doc, 16, (2,), 4).groups[2]
+    G = gl.visible.size(-1)
+    q = torch.randn(B, S, I, D, generator=g, requires_grad=True)
+    k = torch.randn(B, G, D, generator=g, requires_grad=True)
+    w = torch.randn(B, S, I, generator=g, requires_grad=True)
+    dense = index_scores_ref(q, k, w, gl.visible)
+    for chunk in (1, 7, 128, S):  # chunk 1: the first queries see 0-1 groups (the narrowest ranges)
+        assert torch.equal(causal_index_scores(q, k, w, gl.visible, chunk=chunk), dense.detach()), chunk
+    _, idx = topk_indices(dense.detach(), 8)
+    idx = torch.where(dense.detach().gather(-1, idx) > -torch.inf, idx, -1)
+    valid = idx >= 0
+    got = gathered_index_scores(q, k, w, idx)
+    want = dense.gather(-1, idx.clamp(min=0))
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    weight = torch.randn(B, S, 8, generator=g) * valid
+    grads_got = torch.autograd.grad((got.masked_fill(~valid, 0) * weight).sum(), (q, k, w))
+    grads_want = torch.autograd.grad((want.masked_fill(~valid, 0) * weight).sum(), (q, k, w))
+    for a, b in zip(grads_got, grads_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
