@@ -5,7 +5,7 @@ gets Hydra overrides, the same strings a user types after `flashpost-train` / `f
 `jobs` go to every training and evaluation job (model, rollout), `train` to every training job, and
 each stage adds its own (`sft`, `rl`, `student`, `student_sft`, `opd`, `eval`). The run folders, task
 set and checkpoints are filled in by rl/demo.py. Defaults are the measured ones for a 2-core machine
-(docs/demo_measurements.md); `demo.rl_steps=40 demo.eval_samples=4` on the command line.
+(docs/demo_measurements.md); a longer run, e.g. `demo.sft_steps=200 demo.rl_steps=40`, on the command line.
 Not here: running the jobs (rl/demo.py) or the report (rl/demo_report.py); this module imports no torch.
 """
 
@@ -29,7 +29,8 @@ class DemoConfig:
     families_budget: int = 96
     families_heldout: int = 12  # held-out tasks of each family (the evaluations' A and B rows)
     # each training job's steps (its trainer.max_steps) and each evaluation's episodes per held-out task
-    # (pass@1 is their mean; pass@k uses k = eval_samples)
+    # (pass@1 is their mean; pass@k uses k = eval_samples; more than 1 needs a sampling temperature in
+    # `eval`, whose greedy episodes are all alike)
     sft_steps: int = 60
     rl_steps: int = 8
     student_sft_steps: int = 20
