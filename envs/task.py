@@ -47,6 +47,8 @@ TASK_SCHEMA: dict[str, Any] = {
         "test_files": _STR_LIST,
         # Factory metadata: gates, flake_rates, solver_pass_matrix, inspector_verdicts, audit_hash.
         "verification": {"type": "object"},
+        # The tools (envs/tools.py TOOLS names) the agent is offered; absent or [] = every tool.
+        "tools": _STR_LIST,
     },
 }
 
@@ -71,6 +73,7 @@ class Task:
     test_files: list[str]
     test_patch: str = ""
     verification: dict[str, Any] = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)  # offered tool names; [] = all of envs/tools.py TOOLS
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = "task") -> Task:

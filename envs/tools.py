@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -408,8 +408,15 @@ TOOLS: dict[str, Tool] = {
 }
 
 
-def tool_schemas() -> list[dict[str, Any]]:
-    return [tool.schema for tool in TOOLS.values()]
+def tool_schemas(names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The schemas of the tools `names` (a task's `tools`), in TOOLS order; None or empty: every tool. The
+    schemas are most of a short episode's tokens, so a task offers only the tools it needs."""
+    if not names:
+        return [tool.schema for tool in TOOLS.values()]
+    unknown = sorted(set(names) - set(TOOLS))
+    if unknown:
+        raise ValueError(f"unknown tools {unknown} in a task's `tools`; available tools: {', '.join(TOOLS)}")
+    return [tool.schema for name, tool in TOOLS.items() if name in names]
 
 
 def execute_tool_call(sb: Sandbox, call: ToolCall, ctx: ToolContext) -> ToolResult:

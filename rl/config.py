@@ -71,9 +71,19 @@ class OptimConfig:
     ns_steps: int = 5
     ns_method: str = "gram"  # DeepSpeed's Newton-Schulz variant: "gram" (fp16, fp32 on CPU) or "standard" (bf16)
     sinkhorn_iters: int = 5
+    # learning-rate schedule of every family (rl/optim.py lr_factor): "constant", or "cosine": linear warm-up
+    # over `warmup_steps`, then cosine decay to min_lr_ratio x lr at `decay_steps` (None: trainer.max_steps)
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    decay_steps: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.ns_method, ("gram", "standard"), "trainer.optim.ns_method")
+        _require(self.schedule, ("constant", "cosine"), "trainer.optim.schedule")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"trainer.optim needs warmup_steps >= 0 (got {self.warmup_steps}) and 0 <= min_lr_ratio "
+                             f"<= 1 (got {self.min_lr_ratio})")
 
 
 IS_MODES = ("token_tis", "mask")
@@ -132,6 +142,9 @@ class TrainerConfig:
 
     kind: str = "sft"
     max_steps: int = 100
+    # torch threads of the learner actor (it asks Ray for as many CPUs, at most the cluster's): 2 on a
+    # 2-core machine when the learner runs alone (sft, dspark), 1 when rollouts share the cores
+    threads: int = 1
     micro_batch_tokens: int = 4096
     global_batch_tokens: int = 16384
     seed: int = 0
@@ -174,6 +187,8 @@ class TrainerConfig:
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"trainer.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.threads < 1:
+            raise ValueError(f"trainer.threads={self.threads} must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -269,6 +284,8 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         _require(self.entry, ("train", "demo"), "entry")
+        if self.trainer.optim.decay_steps is None:  # the schedule decays over the job's own steps
+            self.trainer.optim.decay_steps = self.trainer.max_steps
         pl = self.trainer.policy_loss
         if pl.temperature is None:
             pl.temperature = self.rollout.temperature

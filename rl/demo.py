@@ -99,7 +99,8 @@ class Demo:
     def factory_families(self, stage_dir: Path) -> dict:
         c = self.cfg
         return self._factory(["build", "--source", "families", "--out", str(stage_dir), "--budget",
-                              str(c.families_budget), "--seed", str(c.seed)], stage_dir)  # fmt: skip
+                              str(c.families_budget), "--n-heldout", str(c.families_heldout), "--seed", str(c.seed)],
+                             stage_dir)  # fmt: skip
 
     def merge(self, stage_dir: Path) -> dict:
         from synth import taskset
@@ -132,7 +133,8 @@ class Demo:
         source = EVALS[stage_dir.name]
         checkpoint = _checkpoint(self.run_dir, source) if source else "null"
         c = self.cfg
-        overrides = [*c.jobs, *self._student(stage_dir.name), *c.eval, f"samples={c.eval_samples}",
+        base = c.eval_base if source is None else []
+        overrides = [*c.jobs, *self._student(stage_dir.name), *c.eval, *base, f"samples={c.eval_samples}",
                      f"k={c.eval_samples}", f"tasks={self.run_dir / TASKS}", f"checkpoint={checkpoint}",
                      f"out_dir={stage_dir}", f"++seed={c.seed}", f"++init_seed={c.seed}", f"++rollout.seed={c.seed}"]
         _record_command(self.run_dir, stage_dir.name, "flashpost-eval " + " ".join(overrides))

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from rl.config import EvalConfig, to_eval_config
 from synth.taskset import TaskSetError
@@ -84,11 +83,16 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
 
     async def run() -> None:
         await worker.set_weights((0, weights))
-        for row, task in tqdm(list(zip(ts.tasks, payloads)), desc=f"eval {cfg.split}", unit="task",
-                              disable=not progress):  # fmt: skip
-            reqs = [RolloutRequest(key=f"{row.id}/{m}", group_id=row.id, task_id=row.id, env=task["env"],
-                                   seed=cfg.seed * 1_000_003 + m, task=task["task"]) for m in range(cfg.samples)]
-            trajs = await worker.rollout_group(reqs)
+        # every task's episodes in one rollout_group call: one batcher, so all of them decode in one batch
+        # (env.max_concurrent sandboxes at a time) instead of one task's samples at a time
+        reqs = [RolloutRequest(key=f"{row.id}/{m}", group_id=row.id, task_id=row.id, env=task["env"],
+                               seed=cfg.seed * 1_000_003 + m, task=task["task"])
+                for row, task in zip(ts.tasks, payloads) for m in range(cfg.samples)]  # fmt: skip
+        if progress:
+            print(f"[eval] {len(reqs)} episodes of {len(ts.tasks)} {cfg.split} tasks in one batch", flush=True)
+        done = await worker.rollout_group(reqs)
+        for i, row in enumerate(ts.tasks):
+            trajs = done[i * cfg.samples:(i + 1) * cfg.samples]
             graded = [t for t in trajs if not t.infra_failed]
             c = sum(bool(t.verifier.get("passed")) for t in graded)
             per_task.append({"task_id": row.id, "family": row.family,

@@ -16,11 +16,14 @@ all-gathers each Muon matrix's gradient and orthogonalises it whole (per head wh
 updates the flat rest. What that path lacks: Sinkhorn balancing (row-wise, but rows are split across
 partitions: that family falls back to AdamW there) and sparse gradients (ZeRO copies dense gradients into
 flat buffers, so models with Engram tables are refused).
-Not here: the engine (rl/learner.py), learning-rate schedules.
+The learning-rate schedule (`lr_factor`: constant, or linear warm-up then cosine decay) scales every
+family's lr inside `FamilyOptimizer.step`; its step count lives in the param groups, so it is saved and
+resumed with the optimiser state. Not here: the engine (rl/learner.py).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -91,6 +94,18 @@ def sinkhorn_balance(u: torch.Tensor, iters: int, eps: float = 1e-8) -> torch.Te
     return u
 
 
+def lr_factor(cfg: OptimConfig, step: int) -> float:
+    """The multiple of each family's lr at optimiser step `step` (1-based): 1 for "constant"; for "cosine",
+    step / warmup_steps during warm-up, then cosine from 1 to min_lr_ratio at decay_steps, flat after."""
+    if cfg.schedule == "constant":
+        return 1.0
+    if step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    span = max((cfg.decay_steps or step) - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class FamilyOptimizer(torch.optim.Optimizer):
     """One param group per family (keys: family, names, num_heads per param, lr, ...)."""
 
@@ -107,7 +122,9 @@ class FamilyOptimizer(torch.optim.Optimizer):
                     "family": family,
                     "names": [n for n, _ in named],
                     "num_heads": [muon_heads(n, args) if family == "muon" and args else None for n, _ in named],
-                    "lr": lrs[family],
+                    "lr": lrs[family] * lr_factor(cfg, 1),
+                    "base_lr": lrs[family],
+                    "schedule_step": 0,  # optimiser steps taken (the schedule's clock; saved with the state)
                     "weight_decay": cfg.weight_decay,
                 }
             )
@@ -120,6 +137,8 @@ class FamilyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            group["schedule_step"] += 1
+            group["lr"] = group["base_lr"] * lr_factor(self.cfg, group["schedule_step"])
             update = {"muon": self._muon, "sinkhorn": self._sinkhorn, "adamw": self._adamw}[group["family"]]
             for p, heads in zip(group["params"], group["num_heads"]):
                 if p.grad is not None:
@@ -185,6 +204,10 @@ def build_zero_optimizer(model: nn.Module, cfg: OptimConfig):
     with sparse gradients (Engram tables), which ZeRO cannot partition."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+    if cfg.schedule != "constant":
+        raise ValueError(f"trainer.optim.schedule={cfg.schedule!r} is applied by FamilyOptimizer (trainer."
+                         "zero_stage=0); DeepSpeed's MuonWithAuxAdam under ZeRO 1/2 runs a constant lr: set "
+                         "trainer.optim.schedule=constant or trainer.zero_stage=0")
     sparse = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m.sparse]
     if sparse:
         raise ValueError(

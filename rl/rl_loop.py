@@ -188,7 +188,8 @@ class AsyncDriver:
         cpus = actor_cpus(1 + job.rollout.n_workers + (self.kind == "opd"), ray.cluster_resources().get("CPU", 1.0))
         learner_cls = ray.remote(LearnerActor).options(num_cpus=cpus, num_gpus=gpus.learner_gpus, max_concurrency=1)
         self.learner = learner_cls.remote(
-            job.model, job.trainer, threads=1, init_seed=job.trainer.seed, init_checkpoint=self.init_checkpoint
+            job.model, job.trainer, threads=job.trainer.threads, init_seed=job.trainer.seed,
+            init_checkpoint=self.init_checkpoint
         )
         self._worker_cls = ray.remote(RolloutWorker).options(
             num_cpus=cpus, num_gpus=gpus.rollout_gpus, max_concurrency=64, **self.worker_options)

@@ -215,7 +215,7 @@ class TokenPolicy:
 
     def transcript(self) -> list[dict[str, Any]]:
         """The conversation so far in template form: `template.render(transcript, tools=<the episode's
-        tools>)` gives the session's tokens back exactly (sandbox episodes: envs.tools.tool_schemas())."""
+        tools>)` gives the session's tokens back exactly (sandbox episodes: tool_schemas(task.tools))."""
         return [dict(m) for m in self.messages]
 
     def trajectory(self, req: RolloutRequest, **fields: Any) -> Trajectory:
@@ -311,12 +311,13 @@ async def run_sandbox_episode(
     from envs.task import Task
     from envs.tools import tool_schemas
 
-    policy = TokenPolicy(batcher, template, tool_schemas(), req.seed)
+    task = Task(**req.task)
+    policy = TokenPolicy(batcher, template, tool_schemas(task.tools), req.seed)
     kwargs = sandbox_episode_kwargs(template, batcher.engine.max_seq_len, batcher.sampling.max_new_tokens,
                                     sandbox_factory, grade, episode_config)  # fmt: skip
     batcher.register()
     try:
-        result = await run_episode(Task(**req.task), policy, **kwargs)
+        result = await run_episode(task, policy, **kwargs)
     finally:
         batcher.unregister()
     fields = graded_fields(result)
@@ -361,7 +362,8 @@ def unstarted_trajectory(req: RolloutRequest, template: ChatTemplate, result: An
     """An episode whose policy was never called (its sandbox did not start): the prompt, infra-failed."""
     from envs.tools import tool_schemas
 
-    prompt = template.render([_as_template_message(m) for m in result.transcript.messages[:2]], tools=tool_schemas(),
+    prompt = template.render([_as_template_message(m) for m in result.transcript.messages[:2]],
+                             tools=tool_schemas(req.task.get("tools")),
                              add_generation_prompt=True).token_ids  # fmt: skip
     n = len(prompt)
     return Trajectory(token_ids=prompt, loss_mask=[False] * n, logprobs=[float("nan")] * n, versions=[-1] * n,

@@ -107,12 +107,13 @@ async def run_served_sandbox_episode(
     from rl.agent_loop import OpenAIPolicy
 
     key = session_key(req)
-    tools = [{"type": "function", "function": s} for s in tool_schemas()]
+    task = Task(**req.task)
+    tools = [{"type": "function", "function": s} for s in tool_schemas(task.tools)]
     policy = OpenAIPolicy(AsyncOpenAI(base_url=base_url, api_key="-", max_retries=5), model, _agent_sampling(sampling),
                           tools=tools, seed=req.seed, session_id=key)  # fmt: skip
     kwargs = sandbox_episode_kwargs(template, max_seq_len, sampling.max_new_tokens, sandbox_factory, grade,
                                     episode_config)  # fmt: skip
-    result = await run_episode(Task(**req.task), policy, **kwargs)
+    result = await run_episode(task, policy, **kwargs)
     fields = graded_fields(result)
     if policy.n_calls == 0:  # the sandbox never started: the server saw no request
         return unstarted_trajectory(req, template, result, fields)

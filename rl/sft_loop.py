@@ -21,16 +21,16 @@ from rl.payloads import Trajectory
 
 
 def demonstrations(conversations: list[list[dict[str, Any]]], task_ids: list[str], env: str,
-                   template) -> list[Trajectory]:  # fmt: skip
-    """Rendered demonstrations (a task set's messages, rl/tasks.py): sandbox conversations with the tool
-    schemas in the system turn, as episodes render them; loss on assistant tokens."""
-    tools = None
-    if env == "sandbox":
-        from envs.tools import tool_schemas
+                   template, task_tools: dict[str, list[str]] | None = None) -> list[Trajectory]:  # fmt: skip
+    """Rendered demonstrations (a task set's messages, rl/tasks.py): sandbox conversations with the schemas
+    of their task's tools (`task_tools[task_id]`, TaskRow.tools; missing or []: every tool) in the system
+    turn, as that task's episodes render them; loss on assistant tokens."""
+    from envs.tools import tool_schemas
 
-        tools = tool_schemas()
+    task_tools = task_tools or {}
     out = []
     for messages, task_id in zip(conversations, task_ids, strict=True):
+        tools = tool_schemas(task_tools.get(task_id)) if env == "sandbox" else None
         chat = template.render(messages, tools=tools)
         n = len(chat.token_ids)
         starts = [s.body_start for s in chat.turn_spans if s.role == "assistant"]
@@ -45,7 +45,7 @@ def load_demonstrations(job: JobConfig, template, progress: bool = True) -> list
     from rl.tasks import demo_conversations, read
 
     ts = read(job.tasks, job.task_filter, "train", progress=progress)
-    return demonstrations(*demo_conversations(ts, f"tasks={job.tasks}"), template)
+    return demonstrations(*demo_conversations(ts, f"tasks={job.tasks}"), template, {r.id: r.tools for r in ts.tasks})
 
 
 class DemoStream:
@@ -83,7 +83,10 @@ def run_supervised(job: JobConfig, run_dir: Path, *, progress: bool = True, ray_
         _, template = build_model(job.model)
         demos = load_demonstrations(job, template, progress)
     stream = DemoStream(demos, job.trainer.seed)
-    learner = ray.remote(LearnerActor).options(num_cpus=1).remote(job.model, job.trainer, init_seed=job.trainer.seed)
+    threads = job.trainer.threads  # the learner runs alone here: trainer.threads may take every core
+    cpus = min(threads, ray.cluster_resources().get("CPU", 1.0))
+    learner = ray.remote(LearnerActor).options(num_cpus=cpus).remote(job.model, job.trainer, threads,
+                                                                      init_seed=job.trainer.seed)  # fmt: skip
     root = Path(run_dir) / "checkpoints"
     version = 0
     if (root / "latest").exists():

@@ -453,6 +453,9 @@ def demo_splits(n_train_a: int, n_train_b: int, n_heldout: int, seed: int = 0) -
 # ----------------------------------------------------------------------------- as real envs Tasks
 MODULE_DIR = "fam"
 IMAGE_REPO = "flashpost/demo-family"
+# The tools a family task offers: its statement shows the numbered source, so `view` adds nothing, and the
+# system turn with these three schemas is 366 tokens against 706 with all six (docs/family_episodes.md)
+FAMILY_TOOLS = ("edit", "run_tests", "submit")
 
 
 def module_path(inst: Instance) -> str:
@@ -557,6 +560,7 @@ def family_tasks(instances: list[Instance], build: bool = True) -> list:
             verification={"source": "synth.families", "sources": [module_path(inst)], "file": module_path(inst),
                           "family": inst.family,
                           "split": inst.split, "template": inst.template, "kind": inst.kind, "action": inst.action},
+            tools=list(FAMILY_TOOLS),
         ))  # fmt: skip
     return tasks
 

@@ -58,15 +58,16 @@ class CheckpointModel:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
-    def policy(self, seed: int) -> EnginePolicy:
-        return EnginePolicy(self, seed)
+    def policy(self, seed: int, tools: list[str] | None = None) -> EnginePolicy:
+        """One episode's policy, offered the task's `tools` (envs.task.Task.tools; None: every tool)."""
+        return EnginePolicy(self, seed, tools)
 
 
 class EnginePolicy:
     """One episode's policy (`policy(messages) -> text`); `close()` frees its engine session."""
 
-    def __init__(self, model: CheckpointModel, seed: int):
-        self.model, self.seed = model, seed
+    def __init__(self, model: CheckpointModel, seed: int, tools: list[str] | None = None):
+        self.model, self.seed, self.tools = model, seed, tool_schemas(tools)
         self.session: int | None = None
         self.length = 0  # tokens in the session
         self.n_messages = 0  # messages of the conversation already in the session
@@ -77,7 +78,7 @@ class EnginePolicy:
         m, t = self.model, self.model.template
         with m.lock:
             if self.session is None:
-                ids = t.render(messages, tools=tool_schemas(), add_generation_prompt=True).token_ids
+                ids = t.render(messages, tools=self.tools, add_generation_prompt=True).token_ids
                 self._check_room(len(ids))
                 self.session = m.engine.start(ids)
                 m.open_sessions.add(self.session)

@@ -68,6 +68,7 @@ class TaskRow:
     verification: dict[str, Any] = field(default_factory=dict)
     difficulty: float = 0.0  # 1 - the solvers' pass rate (0: every solver attempt passed)
     payload: dict[str, Any] = field(default_factory=dict)  # env "toy": prompt, target, n_turns
+    tools: list[str] = field(default_factory=list)  # the tools an agent is offered (envs.task.Task.tools)
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
@@ -81,6 +82,7 @@ class TaskRow:
         for k in JSON_FIELDS:
             doc[k] = json.loads(doc[k])
         doc["f2p"], doc["p2p"], doc["test_files"] = list(doc["f2p"]), list(doc["p2p"]), list(doc["test_files"])
+        doc["tools"] = list(doc.get("tools") or [])  # sets written before the column: every tool
         return cls(**doc)
 
     def task(self):
@@ -91,7 +93,7 @@ class TaskRow:
                     image_digest=self.image_digest, problem_statement=self.problem_statement,
                     test_command=self.test_command, test_parser=self.test_parser, f2p=self.f2p, p2p=self.p2p,
                     gold_patch=self.gold_patch, test_files=self.test_files, test_patch=self.test_patch,
-                    verification=self.verification)  # fmt: skip
+                    verification=self.verification, tools=self.tools)  # fmt: skip
 
     def agent_task(self):
         """The Task an agent episode gets: no gold patch (grading needs none: it applies the agent's diff
@@ -127,7 +129,7 @@ def _features():
 
     s = Value("string")
     tasks = Features({f.name: s for f in dataclasses.fields(TaskRow)})
-    for k in ("f2p", "p2p", "test_files"):
+    for k in ("f2p", "p2p", "test_files", "tools"):
         tasks[k] = Sequence(s)
     tasks["difficulty"] = Value("float64")
     demos = Features({"id": s, "task_id": s, "solver": s, "messages": s, "reward": Value("float64")})

@@ -289,7 +289,7 @@ def _sandbox_row(task, **kw) -> TaskRow:
                    image_digest=task.image_digest, problem_statement=task.problem_statement,
                    test_command=task.test_command, test_parser=task.test_parser, f2p=task.f2p, p2p=task.p2p,
                    gold_patch=task.gold_patch, test_files=task.test_files, test_patch=task.test_patch,
-                   verification=task.verification, **kw)  # fmt: skip
+                   verification=task.verification, tools=task.tools, **kw)  # fmt: skip
 
 
 def fixture_source(progress: bool = True) -> TaskSet:

@@ -101,7 +101,8 @@ def process(rec: TaskRecord, ctx: Context) -> TaskRecord:
             from synth.policy import CheckpointModel  # torch is imported only when a checkpoint is configured
 
             model = ctx.shared(f"policy:{pol.checkpoint}", lambda: CheckpointModel(pol))
-            run_episodes(model.name, model.policy, task, out, ctx, pool, count_tokens=model.count_tokens,
+            run_episodes(model.name, lambda seed: model.policy(seed, task.tools), task, out, ctx, pool,
+                         count_tokens=model.count_tokens,
                          config=EpisodeConfig(max_turns=pol.max_turns, max_tokens=model.max_seq_len))
         llm = opts.solvers.llm
         if llm.base_url and llm.model:

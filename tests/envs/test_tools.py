@@ -41,6 +41,22 @@ def test_the_schemas_fit_a_small_policy_s_context():
     assert n < 720, n
 
 
+def test_a_task_s_tool_subset_renders_only_those_schemas_in_tools_order():
+    from model.chat_template import ChatTemplate
+    from model.tokenizer import Tokenizer
+    from synth.families import FAMILY_TOOLS
+
+    assert [s["name"] for s in tool_schemas(["submit", "edit", "run_tests"])] == ["edit", "run_tests", "submit"]
+    assert tool_schemas([]) == tool_schemas(None) == tool_schemas()  # no subset: every tool
+    with pytest.raises(ValueError, match=r"unknown tools \['grep'\].*available tools: bash, view"):
+        tool_schemas(["edit", "grep"])
+    # the family tasks' three schemas make the system turn about half of the six's (706 tokens)
+    template, system = ChatTemplate(Tokenizer.default()), [{"role": "system", "content": "s"}]
+    n_all = len(template.render(system, tools=tool_schemas()).token_ids)
+    n_family = len(template.render(system, tools=tool_schemas(FAMILY_TOOLS)).token_ids)
+    assert n_family < 0.55 * n_all, (n_family, n_all)
+
+
 @pytest.mark.parametrize(
     ("name", "arguments", "fragment"),
     [

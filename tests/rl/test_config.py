@@ -83,6 +83,21 @@ def test_demo_is_typed_and_its_jobs_compose():
     assert opd.trainer.teacher_model.build_args().dim == args.dim
     ev = to_eval_config(job_config("eval", [*d.jobs, *d.eval]))
     assert ev.model == policy.model and ev.rollout.prefill_mode == "ced"
+    sft = to_job_config(job_config("train", [*d.jobs, *d.train, *d.sft, "++trainer.max_steps=30"]))
+    # the SFT learner alone on both cores, one demonstration a row, cosine decay over the job's own steps
+    assert (sft.trainer.threads, sft.trainer.micro_batch_tokens, sft.trainer.dspark_weight) == (2, 2048, 0.0)
+    assert (sft.trainer.optim.schedule, sft.trainer.optim.decay_steps) == ("cosine", 30)
+
+
+def test_trainer_threads_and_schedule_are_checked():
+    from rl.config import OptimConfig, TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.threads=0"):
+        TrainerConfig(threads=0)
+    with pytest.raises(ValueError, match="trainer.optim.schedule"):
+        OptimConfig(schedule="linear")
+    assert JobConfig(trainer=TrainerConfig(max_steps=12)).trainer.optim.decay_steps == 12
+    assert JobConfig(trainer=TrainerConfig(optim=OptimConfig(decay_steps=5))).trainer.optim.decay_steps == 5
 
 
 def test_factory_converts():

@@ -20,7 +20,8 @@ from rl.demo_config import DemoConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # families only (no sample repository), one step per job, up to SFT
-ARGS = ["experiment=demo", "demo.factory_budget=0", "demo.families_budget=2", "demo.sft_steps=1", "demo.rl_steps=1",
+ARGS = ["experiment=demo", "demo.factory_budget=0", "demo.families_budget=2", "demo.families_heldout=1",
+        "demo.sft_steps=1", "demo.rl_steps=1",
         "demo.student_sft_steps=1", "demo.opd_steps=1", "demo.eval_samples=1", "demo.until=sft",
         "cluster.include_dashboard=false"]  # fmt: skip
 

@@ -14,7 +14,7 @@ from model.config import get_flavor
 from model.engram import EngramHasher
 from model.transformer import INTENTIONALLY_FROZEN, Transformer
 from rl.config import OptimConfig
-from rl.optim import FAMILIES, FamilyOptimizer, build_optimizer, build_param_groups, sinkhorn_balance
+from rl.optim import FAMILIES, FamilyOptimizer, build_optimizer, build_param_groups, lr_factor, sinkhorn_balance
 
 torch.set_num_threads(1)
 
@@ -112,3 +112,27 @@ def test_optimizer_state_round_trip_reproduces_steps():
             net(x).square().sum().backward()
             opt.step()
         torch.testing.assert_close(nets[0][0].weight, nets[1][0].weight, atol=0, rtol=0)
+
+
+def test_cosine_schedule_warms_up_linearly_then_decays_to_its_floor():
+    cfg = OptimConfig(schedule="cosine", warmup_steps=4, min_lr_ratio=0.1, decay_steps=14)
+    assert [lr_factor(cfg, t) for t in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert lr_factor(cfg, 9) == pytest.approx(0.55)  # half-way through the decay: (1 + 0.1) / 2
+    assert lr_factor(cfg, 14) == pytest.approx(0.1) and lr_factor(cfg, 50) == pytest.approx(0.1)
+    assert lr_factor(OptimConfig(), 7) == 1.0
+
+
+def test_the_schedule_scales_every_family_and_resumes_with_the_optimiser_state():
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    named = {"muon": [("0.weight", net[0].weight)], "adamw": [("1.weight", net[1].weight)]}
+    cfg = OptimConfig(lr=1e-3, muon_lr=1e-2, schedule="cosine", warmup_steps=2, decay_steps=6)
+    opt = FamilyOptimizer(named, cfg)
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(2, 4)).square().sum().backward()
+        opt.step()
+    lrs = {g["family"]: g["lr"] for g in opt.param_groups}
+    assert lrs == pytest.approx({"muon": 1e-2 * lr_factor(cfg, 3), "adamw": 1e-3 * lr_factor(cfg, 3)})
+    again = FamilyOptimizer(named, cfg)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert [g["schedule_step"] for g in again.param_groups] == [3, 3]

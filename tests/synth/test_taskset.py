@@ -33,7 +33,7 @@ def _row(i: int, **kw) -> TaskRow:
 
 
 def _set(n: int = 6) -> TaskSet:
-    rows = taskset.assign_splits([_row(i) for i in range(n)], 0.34)
+    rows = taskset.assign_splits([_row(i, tools=["edit", "submit"] if i % 3 == 0 else []) for i in range(n)], 0.34)
     demos = [Demo(id=f"t{i}/search", task_id=f"t{i}", solver="search", reward=1.0,
                   messages=[{"role": "user", "content": "u"},
                             {"role": "assistant", "content": "", "tool_calls": [{"name": "bash",
@@ -48,6 +48,7 @@ def test_write_then_load_gives_identical_records(tmp_path):
     taskset.save(ts, tmp_path / "s")
     back = taskset.load(tmp_path / "s")
     assert back.tasks == ts.tasks and back.demos == ts.demos and back.meta == ts.meta
+    assert back.tasks[0].tools == ["edit", "submit"] and back.tasks[0].agent_task().tools == ["edit", "submit"]
     card = (tmp_path / "s" / "README.md").read_text()
     assert "| r |" in card and "Factory funnel" in card and "Schema version 1" in card
 
