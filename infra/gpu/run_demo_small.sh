@@ -17,27 +17,13 @@
 # The demo's step budgets are the defaults (rl/demo_config.py); extra arguments are Hydra overrides
 # (e.g. demo.rl_steps=40). Not yet run on the H200 with the chained jobs.
 set -uo pipefail
-ROOT=$(pwd)
 SITE=${GPU_DOCKER_SITE:-/tmp/site}
 RUN_DIR=${RUN_DIR:-/tmp/demo-small}
 OUT=${OUT:-/tmp/demo-small-out}
 mkdir -p "$SITE" "$RUN_DIR" "$OUT"
 say() { echo "[run_demo_small] $*" >&2; }
 
-# installed once per distinct set of wheels (a later call carrying more wheels installs again)
-WHEELS=$(ls .whl/*.whl 2>/dev/null | sort | md5sum | cut -c1-12)
-if [[ -d .whl && "$(cat "$SITE/.whl-installed" 2>/dev/null)" != "$WHEELS" ]]; then
-    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
-        && echo "$WHEELS" > "$SITE/.whl-installed" || { say "installing .whl failed"; exit 1; }
-fi
-python3 -c "import hydra, ray, datasets" 2>/dev/null || PYTHONPATH=$SITE python3 -c "import hydra, ray, datasets" \
-    || { say "no Ray/Hydra/datasets: carry .whl (bash ../shared/tools/gpu-wheels.sh builds Ray, Hydra and" \
-             "DeepSpeed; the factory stage also needs datasets, dill and multiprocess: pip download datasets" \
-             "dill multiprocess --no-deps --only-binary=:all: --python-version 3.12 -d .whl)"; exit 1; }
-GPU_DOCKER_SMOKE=0 bash infra/gpu/start_docker.sh || { say "Docker engine did not start"; exit 1; }
-
-export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0
+source infra/gpu/host_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
 t0=$(date +%s)
 # every job of the chain gets model=small (the student at half width, the OPD teacher small) and the

@@ -22,26 +22,13 @@
 set -uo pipefail
 [[ $# -ge 1 ]] || { echo "usage: bash infra/gpu/run_rl_small.sh LABEL [hydra overrides...]" >&2; exit 2; }
 LABEL=$1; shift
-ROOT=$(pwd)
 SITE=${GPU_DOCKER_SITE:-/tmp/site}
 RUN_ROOT=${RUN_ROOT:-/tmp/rl-small}
 OUT=${OUT:-/tmp/rl-small-out}
 mkdir -p "$SITE" "$RUN_ROOT" "$OUT"
 say() { echo "[run_rl_small] $*" >&2; }
 
-WHEELS=$(ls .whl/*.whl 2>/dev/null | sort | md5sum | cut -c1-12)
-if [[ -d .whl && "$(cat "$SITE/.whl-installed" 2>/dev/null)" != "$WHEELS" ]]; then
-    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
-        && echo "$WHEELS" > "$SITE/.whl-installed" || { say "installing .whl failed"; exit 1; }
-fi
-PYTHONPATH=$SITE python3 -c "import hydra, ray, deepspeed, datasets" 2>/dev/null \
-    || { say "no Ray/Hydra/DeepSpeed/datasets in $SITE: carry .whl (bash ../shared/tools/gpu-wheels.sh builds the" \
-             "first three; synth/taskset.py writes task sets with datasets: pip download datasets dill multiprocess" \
-             "--no-deps --only-binary=:all: --python-version 3.12 -d .whl)"; exit 1; }
-GPU_DOCKER_SMOKE=0 bash infra/gpu/start_docker.sh || { say "Docker engine did not start"; exit 1; }
-
-export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+source infra/gpu/host_env.sh || exit 1
 t0=$(date +%s)
 python3 -m envs.fixtures.build > /dev/null || { say "building the fixture task images failed"; exit 1; }
 say "fixture task images ready in $(( $(date +%s) - t0 )) s"
