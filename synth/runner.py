@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import threading
 import time
 import traceback
@@ -56,6 +57,27 @@ def _spawn(name: str, fn: Callable, *args) -> Future:
     return fut
 
 
+class _CtrlC:
+    """Ctrl-C as a flag while a stage waits on its units (main thread only). The default handler raises
+    KeyboardInterrupt wherever the main thread is, also inside `concurrent.futures.wait` while it holds
+    the futures' locks; the grace wait after it can then block for good on a lock the interrupted wait
+    never released. The stage loop checks `hit` after every wait (at most POSTFIX_EVERY_S apart) and
+    raises KeyboardInterrupt there, where no lock is held."""
+
+    def __init__(self) -> None:
+        self.hit = threading.Event()
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, lambda *_: self.hit.set())
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def _blank(record_type: type[Record], key: str) -> Record:
     return record_type.from_dict({"key": key, "source": "", "path": "", "task_id": key, "repo_key": ""})
 
@@ -88,6 +110,8 @@ def run_stage(stage: ModuleType, inputs: list, ctx: Context, *, target_ok: int |
         bar.update(1 if (rec.ok or not target_ok) else 0)
 
     it = iter(todo)
+    ctrl_c = _CtrlC()
+    ctrl_c.install()
     try:
         while True:
             while len(live) < ctx.opts.concurrency and (target_ok is None or n_ok < target_ok) and \
@@ -103,6 +127,8 @@ def run_stage(stage: ModuleType, inputs: list, ctx: Context, *, target_ok: int |
             now = time.monotonic()
             timeout = max(0.0, min(POSTFIX_EVERY_S, min(d for _, d in live.values()) - now))
             finished, _ = wait(live, timeout=timeout, return_when=FIRST_COMPLETED)
+            if ctrl_c.hit.is_set():
+                raise KeyboardInterrupt
             for fut in finished:
                 live.pop(fut)
                 finish(fut.result())
@@ -123,6 +149,8 @@ def run_stage(stage: ModuleType, inputs: list, ctx: Context, *, target_ok: int |
                 finish(fut.result())
         bar.close()
         raise
+    finally:
+        ctrl_c.restore()
     bar.close()
     ordered = [records[k] for k in keys if k in records]
     if limit is None:
