@@ -10,7 +10,8 @@ settings (sandbox rows: envs/episode.py in a Docker sandbox, graded in a pristin
 in process) on one in-process rollout worker (rl/actors.py RolloutWorker, the engine trainers sample
 with). pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) over the n graded samples of a task, c
 of them passing, averaged over tasks, overall and per family and source; infrastructure failures are
-not samples (counted apart). Writes OUT/eval.json and OUT/eval.md. Not here: training, the format.
+not samples (counted apart). Writes OUT/eval.json, OUT/eval.md and OUT/episodes.jsonl (every episode as
+text). Not here: training, the format.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def episode_record(t, template) -> dict:
             "termination": t.verifier.get("termination"), "generated": t.n_generated}  # fmt: skip
 
 
+def episode_transcript(t, template, sample: int) -> dict:
+    """An episode as text, for reading what the policy did: each message's role and content (an assistant
+    turn decoded from the tokens it generated), its reward and why it ended."""
+    messages = [{"role": m.get("role"), "content": template.tokenizer.decode(m["token_ids"])
+                 if m.get("token_ids") else m.get("content", "")} for m in t.transcript]  # fmt: skip
+    return {"task_id": t.task_id, "sample": sample, "reward": t.reward, "infra_failed": t.infra_failed,
+            "termination": t.verifier.get("termination"), "messages": messages}  # fmt: skip
+
+
 def _summary(rows: list[dict]) -> dict:
     keys = ("pass@1", "pass@k")
     return {"tasks": len(rows), **{k: sum(r[k] for r in rows) / len(rows) if rows else float("nan") for k in keys}}
@@ -79,7 +89,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
         load_checkpoint(policy, checkpoint_file(cfg.checkpoint))
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     del policy
-    per_task = []
+    per_task, transcripts = [], []
 
     async def run() -> None:
         await worker.set_weights((0, weights))
@@ -93,6 +103,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
         done = await worker.rollout_group(reqs)
         for i, row in enumerate(ts.tasks):
             trajs = done[i * cfg.samples:(i + 1) * cfg.samples]
+            transcripts.extend(episode_transcript(t, template, m) for m, t in enumerate(trajs))
             graded = [t for t in trajs if not t.infra_failed]
             c = sum(bool(t.verifier.get("passed")) for t in graded)
             per_task.append({"task_id": row.id, "family": row.family,
@@ -122,6 +133,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "eval.md").write_text(markdown(report))
+    with open(out / "episodes.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in transcripts)
     return report
 
 

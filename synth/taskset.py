@@ -110,7 +110,9 @@ class Demo:
     reward: float = 1.0
 
     def to_row(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "messages": json.dumps(self.messages, sort_keys=True)}
+        # no sort_keys: a tool call's arguments keep the order the solver wrote them in (sorted, edit's
+        # new_str would come before old_str, and SFT would teach the policy to write the fix first)
+        return {**dataclasses.asdict(self), "messages": json.dumps(self.messages)}
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Demo:

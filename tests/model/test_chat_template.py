@@ -12,6 +12,7 @@ from model.chat_template import (
     ToolCall,
     format_tool_call,
     parse_assistant,
+    tool_signature,
 )
 from model.tokenizer import IMAGE, TEXT, Tokenizer
 
@@ -201,9 +202,22 @@ def test_tools_go_into_the_system_turn(tok, tmpl):
     msgs = [{"role": "user", "content": "hi"}]
     r = tmpl.render(msgs, tools=tools)
     assert [(s.message_index, s.role) for s in r.turn_spans] == [(-1, "system"), (0, "user")]
-    assert '# Tools\n{"description": "Show a file", "name": "view"}' in tok.decode(r.token_ids)
+    assert "# Tools\nview(): Show a file" in tok.decode(r.token_ids)
     r2 = tmpl.render([{"role": "system", "content": "Be brief."}, *msgs], tools=tools)
     assert "Be brief.\n\n# Tools\n" in tok.decode(r2.token_ids)
+
+
+def test_tool_signature_keeps_every_fact_of_the_schema_in_its_order():
+    schema = {"name": "edit", "description": "Replace text.", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "description": "Relative path."}, "line": {"type": "integer", "minimum": 1},
+        "old_str": {"type": "string"}, "range": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
+                                                 "maxItems": 2},
+        "mode": {"enum": ["a", "b"]}, "spec": {"type": "object", "properties": {"x": {"type": "string"}}},
+    }, "required": ["old_str"]}}
+    assert tool_signature(schema) == (
+        'edit(path?: string, line?: integer >= 1, old_str: string, range?: integer[2], mode?: "a"|"b", '
+        'spec?: {"type": "object", "properties": {"x": {"type": "string"}}}): Replace text. path: Relative path.')
+    assert tool_signature({"name": "submit", "description": "Done.", "parameters": {}}) == "submit(): Done."
 
 
 def test_images_in_user_content(tok, tmpl):

@@ -53,6 +53,17 @@ def test_write_then_load_gives_identical_records(tmp_path):
     assert "| r |" in card and "Factory funnel" in card and "Schema version 1" in card
 
 
+def test_tool_call_arguments_keep_their_order_through_save_and_load(tmp_path):
+    # the demonstration is what the policy is taught to write: edit's old_str before its new_str
+    call = {"name": "edit", "arguments": {"line": 3, "old_str": "<", "new_str": ">="}}
+    demo = Demo(id="t0/search", task_id="t0", solver="search",
+                messages=[{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
+    ts = _set()
+    taskset.save(TaskSet(ts.tasks, [demo], ts.meta), tmp_path / "s")
+    back = taskset.load(tmp_path / "s").demos[0].messages[1]["tool_calls"][0]["arguments"]
+    assert list(back) == ["line", "old_str", "new_str"]
+
+
 def test_split_follows_the_group_so_near_duplicates_never_straddle():
     rows = taskset.assign_splits([_row(i) for i in range(20)], 0.25)
     by_group: dict[str, set[str]] = {}
