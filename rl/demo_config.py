@@ -39,8 +39,9 @@ class DemoConfig:
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
     # A family episode's longest call (edit) is 38-44 tokens: 48 new tokens a turn leave room, and an untrained
-    # policy's babble ends sooner; 4 turns hold look -> edit -> tests -> submit.
-    jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=4",
+    # policy's babble ends sooner; 5 turns hold tests -> view -> edit -> tests -> submit (an episode that ends
+    # at the turn limit is graded too, so a second edit in turn 5 still counts).
+    jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=5",
                             "++rollout.max_new_tokens=48")
     # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x
     # group_size = 32), so all of them decode in one batch instead of waiting for a sandbox slot

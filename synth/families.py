@@ -146,9 +146,9 @@ class Instance:
 
     @property
     def statement(self) -> str:
-        """The multi-turn task: the function and what is wrong in words, its numbered source; the failing
-        test is for the agent to find (`run_tests`)."""
-        return f"Fix `{self.func}` ({module_path(self)}): {BUG_WORDS[self.kind]}.\n{numbered(self.buggy)}"
+        """The multi-turn task: the function, its file and what is wrong in words; the source and the
+        failing test are for the agent to see (`view`, `run_tests`)."""
+        return f"Fix `{self.func}` ({module_path(self)}): {BUG_WORDS[self.kind]}."
 
     @property
     def prompt(self) -> str:
@@ -453,9 +453,10 @@ def demo_splits(n_train_a: int, n_train_b: int, n_heldout: int, seed: int = 0) -
 # ----------------------------------------------------------------------------- as real envs Tasks
 MODULE_DIR = "fam"
 IMAGE_REPO = "flashpost/demo-family"
-# The tools a family task offers: its statement shows the numbered source, so `view` adds nothing, and the
-# system turn with these three schemas is 366 tokens against 706 with all six (docs/family_episodes.md)
-FAMILY_TOOLS = ("edit", "run_tests", "submit")
+# The tools a family task offers (the system turn carries only their signatures). The statement names the
+# file without its source: the agent views it, so the numbered source sits right before the edit that copies
+# from it (the demo policy's sliding window is 64 tokens; the statement is ~150 tokens further back)
+FAMILY_TOOLS = ("view", "edit", "run_tests", "submit")
 
 
 def module_path(inst: Instance) -> str:

@@ -5,7 +5,7 @@ Sources (SOURCES, the `--source` of `flashpost-factory build`):
   repo      a factory run folder (synth/runner.py): the inspector's accepted tasks, one demonstration
             per solver whose patch passed;
   families  the demo's synthetic one-function families (synth/families.py) as repository tasks in one
-            image; family A carries multi-turn demonstrations (tests, short edit, tests, submit; a share
+            image; family A carries multi-turn demonstrations (tests, view, short edit, tests, submit; a share
             with a failed first edit and its recovery), family B is tests only;
   fixtures  the hand-made fixture tasks (envs/fixtures), the gold patch as the demonstration;
   toy       the in-process toy family (rl/rollout.py) of CPU runs and tests; no container.
@@ -50,16 +50,16 @@ def _script(task, patch: str) -> list[dict[str, Any]]:
 
 
 def family_script(inst, wrong: tuple[str, str] | None = None) -> list[dict[str, Any]]:
-    """A family episode as terse tool calls (no prose: every assistant token is decode and loss): look
-    at the tests, edit, read the result, submit; with `wrong` (synth.families.wrong_edits), a failed
-    first edit, its test result and the correcting edit before the final check."""
+    """A family episode as terse tool calls (no prose: every assistant token is decode and loss): run the
+    tests, view the file, edit, read the result, submit; with `wrong` (synth.families.wrong_edits), a
+    failed first edit, its test result and the correcting edit before the final check."""
     from synth.families import apply_action, split_action
 
     def edit(source: str, action: str) -> dict[str, Any]:
         line, old, new = split_action(source, action)
         return _call("edit", {"line": line, "old_str": old, "new_str": new})
 
-    calls = [_call("run_tests")]
+    calls = [_call("run_tests"), _call("view")]
     if wrong is None:
         calls.append(edit(inst.buggy, inst.action))
     else:
