@@ -710,6 +710,8 @@ class InferenceEngine:
         n = sum(len(self._get(i).token_ids) < self.max_seq_len for i in session_ids)
         if n and max_new_tokens > 1 and self.speculation_cost(n).best_speedup() < self.speculative.min_speedup:
             self.stats["speculation_off_calls"] += 1
+            for i in session_ids:
+                self._get(i).spec.off_calls += 1
             return self.generate(session_ids, max_new_tokens, temperature, top_p, stop_ids, stop_strings, seed)
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")

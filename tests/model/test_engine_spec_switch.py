@@ -49,6 +49,7 @@ def test_losing_speculation_is_plain_generate(setup, temperature):
     want = plain.generate([plain.start(p) for p in prompts], 8, temperature, stop_ids=(), seed=5)
     assert spec.stats["speculation_off_calls"] == 1
     assert all(spec.speculation_stats(s)["drafted"] == 0 for s in spec.session_ids)
+    assert all(spec.speculation_stats(s)["off_calls"] == 1 for s in spec.session_ids)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
 
@@ -60,6 +61,7 @@ def test_winning_speculation_drafts(setup):
     sids = [spec.start(p) for p in prompts]
     spec.generate_speculative(sids, 8, stop_ids=())
     assert spec.stats["speculation_off_calls"] == 0
+    assert all(spec.speculation_stats(s)["off_calls"] == 0 for s in sids)
     assert all(spec.speculation_stats(s)["drafted"] > 0 for s in sids)
 
 
