@@ -46,13 +46,17 @@ class SpeculativeConfig:
     min_speedup / probe_every / ema: a session stops drafting while its measured speedup over plain
     decoding (modelled time, an EMA over drafting steps that starts optimistic at 1.5·min_speedup, so a
     few bad steps are needed) is below min_speedup, and drafts again after probe_every plain steps
-    (DESIGN §3.1: speculation switches itself off when it measures lower throughput)."""
+    (DESIGN §3.1: speculation switches itself off when it measures lower throughput).
+    off_calls: after a speculative call whose sessions together emitted fewer tokens than plain
+    decoding would have in the same modelled time (speedup below min_speedup), the engine's next
+    off_calls calls run as plain `generate`; the one after probes again."""
 
     max_draft: int | None = None
     cost: CostModel | None = None
     min_speedup: float = 1.0
     probe_every: int = 16
     ema: float = 0.8
+    off_calls: int = 16
 
 
 @dataclass

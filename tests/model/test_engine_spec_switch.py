@@ -73,3 +73,42 @@ def test_plain_step_time_leaves_no_trace(setup):
     before = dict(engine.stats)
     assert engine._plain_step_time(2, repeats=2) > 0
     assert engine.session_ids == [] and engine.stats == before
+
+
+# fully accepted drafts would just beat plain decoding (best_speedup 1.01), but a draft costs a whole
+# step, so each session's own switch turns off after a few steps of the random drafter
+MARGINAL = CostModel([1.0] * (K + 1), 1.0, t_plain=2 / (K + 1) * 1.01)
+
+
+def test_call_whose_sessions_stop_drafting_finishes_plain(setup):
+    """Once no session drafts, the call's remaining tokens are `generate`'s (plain decode steps):
+    greedy output stays token for token the plain engine's, and the next calls run plain."""
+    m, template, prompts = setup
+    assert MARGINAL.best_speedup() > 1.0
+    spec = InferenceEngine(m, template, max_sessions=4,
+                           speculative=SpeculativeConfig(cost=MARGINAL, off_calls=2))  # fmt: skip
+    plain = InferenceEngine(m, template, max_sessions=4)
+    sids, pids = [spec.start(p) for p in prompts], [plain.start(p) for p in prompts]
+    got = spec.generate_speculative(sids, 12, 0.0, stop_ids=())
+    want = plain.generate(pids, 12, 0.0, stop_ids=())
+    assert spec.stats["speculation_off_calls"] == 0 and spec.stats["decode_steps"] > 0  # handed to generate
+    assert all(spec.speculation_stats(s)["steps"] + spec.speculation_stats(s)["plain_steps"] < 11 for s in sids)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.token_ids) == 12
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    # the call lost to plain decoding: the next off_calls = 2 calls are plain, the one after probes
+    for n_off in (1, 2, 2):
+        spec.generate_speculative(sids, 4, 0.0, stop_ids=())
+        assert spec.stats["speculation_off_calls"] == n_off
+
+
+def test_plain_finish_is_a_function_of_the_seeds(setup):
+    m, template, prompts = setup
+
+    def run():
+        spec = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig(cost=MARGINAL))
+        outs = spec.generate_speculative([spec.start(p) for p in prompts], 12, 1.0, stop_ids=(), seed=7)
+        assert spec.stats["decode_steps"] > 0
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    assert run() == run()
