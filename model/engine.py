@@ -812,11 +812,13 @@ class InferenceEngine:
             self._spec_costs[batch] = cost
         return self._spec_costs[batch]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _plain_step_time(self, batch: int, repeats: int = 5) -> float:
         """Seconds of one `RaggedBatch.decode` step of `batch` rows on this engine's decode path (its
         CUDA graphs and compiled forward) after a window of random context: the median of `repeats`
-        steps after one that captures (and compiles) the bucket."""
+        steps after one that captures (and compiles) the bucket. Not under inference_mode: the timed
+        batch's tensors become the GraphPool storage of its layout, and a later `generate` batch of
+        that layout copies into them outside inference mode, which inference tensors refuse."""
         a, dev = self.model.args, self.device
         n = a.window_size + self._max_rollback + 1
         g = torch.Generator().manual_seed(0)
