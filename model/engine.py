@@ -173,8 +173,9 @@ class InferenceEngine:
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
         # compile_decode: decode steps run model.forward_ragged compiled by inductor (model/ragged_cache.py
         # compile_decode), captured by the graphs, one compile per graph bucket (fewer buckets). Off by
-        # default: on the H200 (torch 2.11) inductor cannot lower the indexer launcher's bool->uint8
-        # view (docs/engine_throughput.md), so a compiled step fails there
+        # default: on the H200 a compiled `small` step runs in half the time at 1 session, but each
+        # bucket compiles for minutes and its outputs have not been checked against eager there yet
+        # (docs/engine_throughput.md)
         if compile_decode is None:
             compile_decode = False
         if compile_decode and record_routing:
