@@ -65,6 +65,11 @@ def _vis_args(visible_BSG: torch.Tensor | None, shape: tuple[int, int, int], dev
         return torch.empty(1, dtype=torch.uint8, device=dev), (0, 0, 0)
     if visible_BSG.dtype != torch.bool or tuple(visible_BSG.shape) != shape:
         raise ValueError(f"visible must be bool {list(shape)}, got {visible_BSG.dtype} {list(visible_BSG.shape)}")
+    if torch.compiler.is_compiling():
+        # inductor cannot lower a bool->uint8 view ("torch.bool is not supported by torch.iinfo"): a
+        # uint8 copy holds the same 0/1 bytes, read through its own strides
+        vis = visible_BSG.to(torch.uint8)
+        return vis, vis.stride()
     return visible_BSG.view(torch.uint8), visible_BSG.stride()
 
 

@@ -114,10 +114,6 @@ _STAGE_TILE = {"BK": 8, "num_warps": 2}  # _stage_rows_kernel: index slots per p
 _STAGE_MAX_BYTES = 1 << 28  # a larger staging buffer (many query rows x indices) decodes in the kernel
 
 
-def _pick_config(n_rows: int) -> dict:
-    return DECODE_CONFIG if n_rows < _DECODE_MAX_ROWS else TRAIN_CONFIG
-
-
 _fitted: dict[tuple, dict] = {}
 
 
@@ -318,8 +314,13 @@ def sparse_attn_fwd(
     if ckv is not None:
         return _packed_fwd(q, kv, attn_sink, idxs, scale, ckv, config)
     if config is None:
-        first = _pick_config(q.shape[0] * q.shape[1])
-        key = (q.shape[-1], q.shape[-2], q.dtype, q.device, id(first))
+        decode = q.shape[0] * q.shape[1] < _DECODE_MAX_ROWS
+        first = DECODE_CONFIG if decode else TRAIN_CONFIG
+        # keyed by values dynamo can trace (not id() of the config dict); a compiled call takes the
+        # config an eager call fitted, else the first: its launch happens after tracing, so no retry
+        key = (q.shape[-1], q.shape[-2], q.dtype, q.device, decode)
+        if torch.compiler.is_compiling():
+            return _fwd(q, kv, attn_sink, idxs, scale, {**DEFAULT_CONFIG, **_fitted.get(key, first)}, lse)
         for cfg in [_fitted[key]] if key in _fitted else [first, *_FALLBACKS]:
             try:
                 o = _fwd(q, kv, attn_sink, idxs, scale, {**DEFAULT_CONFIG, **cfg}, lse)

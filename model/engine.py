@@ -173,8 +173,9 @@ class InferenceEngine:
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
         # compile_decode: decode steps run model.forward_ragged compiled by inductor (model/ragged_cache.py
         # compile_decode), captured by the graphs, one compile per graph bucket (fewer buckets). Off by
-        # default: on the H200 (torch 2.11) inductor cannot lower the indexer launcher's bool->uint8
-        # view (docs/engine_throughput.md), so a compiled step fails there
+        # default: on the H200 a compiled `small` step runs in half the time at 1 session, but each
+        # bucket compiles for minutes and its outputs have not been checked against eager there yet
+        # (docs/engine_throughput.md)
         if compile_decode is None:
             compile_decode = False
         if compile_decode and record_routing:
@@ -229,6 +230,10 @@ class InferenceEngine:
         self.speculative = speculative
         self._max_rollback = 0
         self._spec_costs: dict[int, CostModel] = {}
+        # calls left to run plain after a speculative call that lost to plain decoding (off_calls), and
+        # the running call's emitted tokens against the tokens plain steps would emit in its time
+        self._spec_calls_off = 0
+        self._spec_call = [0.0, 0.0]
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs a DSpark drafter (dspark_block_size > 0)")
@@ -701,16 +706,23 @@ class InferenceEngine:
         Speculation switches itself off for the call when it cannot win: if the batch's cost model
         (`speculation_cost`, which times the engine's plain decode, CUDA graphs included) says that
         even with every draft accepted a speculative step emits fewer tokens per second than a plain
-        decode step (`CostModel.best_speedup` below `min_speedup`), the call is `generate` with the
-        same arguments (counted in stats["speculation_off_calls"])."""
+        decode step (`CostModel.best_speedup` below `min_speedup`), or the last speculative call lost
+        to plain decoding within the last `off_calls` calls (`SpeculativeConfig.off_calls`), the call
+        is `generate` with the same arguments (counted in stats["speculation_off_calls"]). Inside a
+        call, once no session drafts (each one's own switch is off, `SpecStats.off_for`) and no stop
+        strings are given, the call's remaining tokens come from `generate` (the engine's plain
+        decode, CUDA graphs included, not the speculative path's eager one-token forwards)."""
         if self.speculative is None:
             raise ValueError("build the engine with speculative=SpeculativeConfig() to decode speculatively")
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
         n = sum(len(self._get(i).token_ids) < self.max_seq_len for i in session_ids)
-        if n and max_new_tokens > 1 and self.speculation_cost(n).best_speedup() < self.speculative.min_speedup:
+        if n and max_new_tokens > 1 and not self._speculation_pays(n):
             self.stats["speculation_off_calls"] += 1
+            for i in session_ids:
+                self._get(i).spec.off_calls += 1
             return self.generate(session_ids, max_new_tokens, temperature, top_p, stop_ids, stop_strings, seed)
+        self._spec_call = [0.0, 0.0]
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
         sessions = [self._get(i) for i in session_ids]
@@ -731,6 +743,10 @@ class InferenceEngine:
                 still += [] if finish else [i]
             active = still
         while active:
+            if not stop_strings and all(sessions[i].spec.off_for > 0 for i in active):
+                self._finish_plain(session_ids, sessions, outs, gens, active, max_new_tokens, temperature, top_p,
+                                   stops)  # fmt: skip
+                break
             groups: dict[tuple, list[int]] = {}
             for i in active:
                 s = sessions[i]
@@ -739,10 +755,43 @@ class InferenceEngine:
             active = []
             for idx in groups.values():
                 active += self._speculative_group(idx, sessions, outs, gens, temperature, top_p, limits)
+        kept, plain_equiv = self._spec_call
+        if plain_equiv and kept < self.speculative.min_speedup * plain_equiv:
+            self._spec_calls_off = self.speculative.off_calls
         if self.tokenizer is not None:
             for out in outs:
                 out.text = self.tokenizer.decode(out.token_ids)
         return outs
+
+    def _speculation_pays(self, batch: int) -> bool:
+        """Whether a call of `batch` rows speculates: fully accepted drafts can beat the plain decode
+        step (the cost model), and no recent speculative call lost to plain decoding."""
+        if self.speculation_cost(batch).best_speedup() < self.speculative.min_speedup:
+            return False
+        if self._spec_calls_off > 0:
+            self._spec_calls_off -= 1
+            return False
+        return True
+
+    def _finish_plain(self, session_ids, sessions, outs, gens, active, max_new_tokens, temperature, top_p,
+                      stops) -> None:  # fmt: skip
+        """The remaining tokens of a speculative call's `active` sessions, none of which drafts, from
+        `generate` (one call per count of tokens left), appended to their Generations. Their drafting
+        switches are reset: the plain tokens stand for the plain steps they were waiting out. Each
+        session's generator seeds its part, so the call stays a function of its seeds."""
+        by_left: dict[int, list[int]] = {}
+        for i in active:
+            by_left.setdefault(max_new_tokens - len(outs[i].token_ids), []).append(i)
+        for left, idx in by_left.items():
+            seeds = [int(torch.randint(2**62, (1,), generator=gens[i], device=gens[i].device)) for i in idx]
+            rest = self.generate([session_ids[i] for i in idx], left, temperature, top_p, tuple(stops), (), seeds)
+            for i, g in zip(idx, rest):
+                out = outs[i]
+                out.token_ids += g.token_ids
+                out.logprobs += g.logprobs
+                out.policy_versions += g.policy_versions
+                out.finish_reason, out.stop = g.finish_reason, g.stop
+                sessions[i].spec.off_for = 0
 
     def speculation_stats(self, session_id: int) -> dict:
         """The session's acceptance statistics (model.speculative.SpecStats.as_dict)."""
@@ -750,9 +799,13 @@ class InferenceEngine:
 
     def speculation_cost(self, batch: int) -> CostModel:
         """The cost model of `batch` rows: the config's, else measured on this device once and cached
-        (with CUDA graphs, t_plain is a graph decode step of `batch` rows, `_plain_step_time`)."""
+        (with CUDA graphs, t_plain is a graph decode step of `batch` rows, `_plain_step_time`, and one
+        model, measured at the bucket's rows, serves every batch of a graph bucket: a graph step runs
+        the padded bucket, and a measurement takes seconds of eager forwards)."""
         if self.speculative.cost is not None:
             return self.speculative.cost
+        if self.graphs is not None:
+            batch = self.graphs.capacity(batch)
         if batch not in self._spec_costs:
             cost = measure_cost_model(self.model, self._verify_forward, batch, self._max_rollback, device=self.device)
             if self.graphs is not None:
@@ -760,11 +813,13 @@ class InferenceEngine:
             self._spec_costs[batch] = cost
         return self._spec_costs[batch]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _plain_step_time(self, batch: int, repeats: int = 5) -> float:
         """Seconds of one `RaggedBatch.decode` step of `batch` rows on this engine's decode path (its
         CUDA graphs and compiled forward) after a window of random context: the median of `repeats`
-        steps after one that captures (and compiles) the bucket."""
+        steps after one that captures (and compiles) the bucket. Not under inference_mode: the timed
+        batch's tensors become the GraphPool storage of its layout, and a later `generate` batch of
+        that layout copies into them outside inference mode, which inference tensors refuse."""
         a, dev = self.model.args, self.device
         n = a.window_size + self._max_rollback + 1
         g = torch.Generator().manual_seed(0)
@@ -844,6 +899,8 @@ class InferenceEngine:
             self._stash_hidden(s, res.main_hidden[b : b + 1, :keep])
             s.spec.record(res.k, k_max > 0, int(res.n_accepted[b]), keep, keep * t_plain / step_time, cfg)
             still += [] if finish else [i]
+        self._spec_call[0] += n_kept
+        self._spec_call[1] += B * step_time / t_plain  # tokens B plain steps would emit in this step's time
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += B * (res.k + 1)
         self.stats["tokens_generated"] += n_kept

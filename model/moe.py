@@ -225,7 +225,11 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, self.dim)
         K, E = self.n_activated_experts, self.n_routed_experts
         mask_T = None if image_mask is None else image_mask.reshape(-1)
-        replay = _REPLAY.get()
+        # a compiled forward (the engine's compiled decode step) neither replays nor records: dynamo
+        # cannot trace ContextVar.get (a graph break per layer), and the engine refuses record_routing
+        # with compile_decode
+        compiling = torch.compiler.is_compiling()
+        replay = None if compiling else _REPLAY.get()
         forced_TK = None
         if replay is not None and self.layer_id in replay:
             forced = replay[self.layer_id]
@@ -236,7 +240,7 @@ class MoE(nn.Module):
                 )
             forced_TK = forced.reshape(-1, K)
         weights_TK, topk_idx_TK, scores_TE = self.gate(x_TD, mask_T, forced_TK)
-        record = _RECORD.get()
+        record = None if compiling else _RECORD.get()
         if record is not None and self.layer_id is not None:
             record.setdefault(self.layer_id, []).append(topk_idx_TK.detach().view(*lead, K))
 

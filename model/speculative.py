@@ -46,13 +46,17 @@ class SpeculativeConfig:
     min_speedup / probe_every / ema: a session stops drafting while its measured speedup over plain
     decoding (modelled time, an EMA over drafting steps that starts optimistic at 1.5·min_speedup, so a
     few bad steps are needed) is below min_speedup, and drafts again after probe_every plain steps
-    (DESIGN §3.1: speculation switches itself off when it measures lower throughput)."""
+    (DESIGN §3.1: speculation switches itself off when it measures lower throughput).
+    off_calls: after a speculative call whose sessions together emitted fewer tokens than plain
+    decoding would have in the same modelled time (speedup below min_speedup), the engine's next
+    off_calls calls run as plain `generate`; the one after probes again."""
 
     max_draft: int | None = None
     cost: CostModel | None = None
     min_speedup: float = 1.0
     probe_every: int = 16
     ema: float = 0.8
+    off_calls: int = 16
 
 
 @dataclass
@@ -94,7 +98,9 @@ class SpecStats:
     drafted: draft tokens verified; accepted: of those, accepted by verification; emitted: tokens the
     session kept from those steps (a batch shares one length, so emitted <= accepted + steps);
     plain_steps: steps without drafts (k = 0 chosen, or drafting switched off); speedup_ema: modelled
-    tokens per plain-step time of the drafting steps; off_for: plain steps left before drafting again."""
+    tokens per plain-step time of the drafting steps; off_for: plain steps left before drafting again;
+    off_calls: generate_speculative calls of this session that ran as plain `generate` because the
+    cost model said even fully accepted drafts lose (their tokens are in none of the other counts)."""
 
     steps: int = 0
     drafted: int = 0
@@ -104,6 +110,7 @@ class SpecStats:
     k_hist: dict[int, int] = field(default_factory=dict)
     speedup_ema: float | None = None
     off_for: int = 0
+    off_calls: int = 0
 
     def record(self, k: int, drafted: bool, n_accepted: int, kept: int, speedup: float, cfg: SpeculativeConfig) -> None:
         """One step: k drafts verified (drafted: whether a draft was made), n_accepted of them accepted,
@@ -124,7 +131,7 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {
             "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
-            "plain_steps": self.plain_steps, "k_hist": dict(sorted(self.k_hist.items())),
+            "plain_steps": self.plain_steps, "off_calls": self.off_calls, "k_hist": dict(sorted(self.k_hist.items())),
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "mean_accepted": self.accepted / self.steps if self.steps else None,
             "speedup_ema": self.speedup_ema,

@@ -30,6 +30,8 @@ RAY_GAUGES: dict[str, tuple[str, str]] = {
     "prefix_hit_rate": ("flashpost_rollout_prefix_hit_rate", "prefix-cache hits per session start"),
     "replay_segments_per_episode": ("flashpost_rollout_replay_segments", "CED decoder replay segments per episode"),
     "dspark_rollout_acceptance": ("flashpost_rollout_dspark_acceptance", "DSpark draft acceptance while decoding"),
+    "dspark_rollout_off_frac": ("flashpost_rollout_dspark_off_frac",
+                                "turns decoded plain: speculation switched off by its cost model"),
     "audit_flagged": ("flashpost_audit_flagged_tasks", "tasks the online audit holds out of sampling"),
     **{f"feature_{f}": (f"flashpost_feature_{f}", f"1 when the run's {f.replace('_', ' ')} is on")
        for f in ("ced", "prefix_cache", "packed_cache", "speculative", "simulate_replay", "routing_replay")},

@@ -80,7 +80,9 @@ def lag_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
 def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
     """The inference path of a rollout batch: which features were on (1/0), packed cache bytes per token,
     CED replay segments per episode, prefix-cache hit rate, DSpark acceptance overall and by (drafter
-    version, policy version) as `dspark_rollout_acceptance/d<drafter>/p<oldest policy version>`."""
+    version, policy version) as `dspark_rollout_acceptance/d<drafter>/p<oldest policy version>`, the
+    fraction of decode steps that drafted and of turns that ran plain because speculation could not win
+    (`dspark_rollout_off_frac`: the engine's cost model switched it off for that generate call)."""
     r = job.rollout
     out = {"feature_ced": float(r.prefill_mode == "ced"), "feature_prefix_cache": float(r.prefix_cache),
            "feature_packed_cache": float(r.packed_cache), "feature_speculative": float(r.speculative),
@@ -107,6 +109,9 @@ def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
     if "spec_drafted" in total:
         steps = total["spec_steps"] + total["spec_plain_steps"]
         out["dspark_rollout_drafting_frac"] = total["spec_steps"] / max(steps, 1)
+        # turns whose generate call ran plain: speculation switched itself off (cost model)
+        turns = sum(len(t.turn_starts) for t in started)
+        out["dspark_rollout_off_frac"] = total["spec_off_calls"] / max(turns, 1)
         if total["spec_drafted"]:
             out["dspark_rollout_acceptance"] = total["spec_accepted"] / total["spec_drafted"]
         out |= {k: c["accepted"] / c["drafted"] for k, c in by_version.items() if c["drafted"]}

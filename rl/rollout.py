@@ -242,7 +242,8 @@ class TokenPolicy:
                  **self.prefix_counts}  # fmt: skip
         if engine.speculative is not None:
             spec = engine.speculation_stats(sid)
-            stats |= {f"spec_{k}": float(spec[k]) for k in ("steps", "drafted", "accepted", "emitted", "plain_steps")}
+            keys = ("steps", "drafted", "accepted", "emitted", "plain_steps", "off_calls")
+            stats |= {f"spec_{k}": float(spec[k]) for k in keys}
         return stats
 
 

@@ -244,3 +244,16 @@ def test_triton_indexer_replays_the_models_indexer_calls(device, debug_model):
         assert (got.candidates is None) == (want.candidates is None)
         assert got.candidates is None or torch.equal(got.candidates, want.candidates)
         assert got.candidate_blocks is None or torch.equal(got.candidate_blocks, want.candidate_blocks)
+
+
+def test_mask_argument_traces_under_dynamo():
+    """`_vis_args` inside torch.compile (the engine's compiled decode step): a uint8 copy of the mask
+    with its own strides, where eager takes a view that keeps an expanded mask's zero strides;
+    either way the kernel reads the same 0/1 bytes at every (b, s, g)."""
+    vis = (torch.rand(1, 3, 5, generator=torch.Generator().manual_seed(0)) < 0.5).expand(2, 3, 5)
+    eager, strides = ki._vis_args(vis, (2, 3, 5), vis.device)
+    assert eager.dtype == torch.uint8 and strides == (0, 5, 1) and eager.data_ptr() == vis.data_ptr()
+    compiled, c_strides = torch.compile(ki._vis_args, backend="eager", fullgraph=True)(vis, (2, 3, 5), vis.device)
+    assert compiled.dtype == torch.uint8 and c_strides == compiled.stride()
+    assert compiled.data_ptr() != vis.data_ptr()  # a copy: inductor cannot lower the bool->uint8 view
+    assert torch.equal(compiled, vis.to(torch.uint8)) and torch.equal(eager, compiled)

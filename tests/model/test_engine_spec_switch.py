@@ -49,6 +49,7 @@ def test_losing_speculation_is_plain_generate(setup, temperature):
     want = plain.generate([plain.start(p) for p in prompts], 8, temperature, stop_ids=(), seed=5)
     assert spec.stats["speculation_off_calls"] == 1
     assert all(spec.speculation_stats(s)["drafted"] == 0 for s in spec.session_ids)
+    assert all(spec.speculation_stats(s)["off_calls"] == 1 for s in spec.session_ids)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
 
@@ -60,6 +61,7 @@ def test_winning_speculation_drafts(setup):
     sids = [spec.start(p) for p in prompts]
     spec.generate_speculative(sids, 8, stop_ids=())
     assert spec.stats["speculation_off_calls"] == 0
+    assert all(spec.speculation_stats(s)["off_calls"] == 0 for s in sids)
     assert all(spec.speculation_stats(s)["drafted"] > 0 for s in sids)
 
 
@@ -71,3 +73,62 @@ def test_plain_step_time_leaves_no_trace(setup):
     before = dict(engine.stats)
     assert engine._plain_step_time(2, repeats=2) > 0
     assert engine.session_ids == [] and engine.stats == before
+
+
+# fully accepted drafts would just beat plain decoding (best_speedup 1.01), but a draft costs a whole
+# step, so each session's own switch turns off after a few steps of the random drafter
+MARGINAL = CostModel([1.0] * (K + 1), 1.0, t_plain=2 / (K + 1) * 1.01)
+
+
+def test_call_whose_sessions_stop_drafting_finishes_plain(setup):
+    """Once no session drafts, the call's remaining tokens are `generate`'s (plain decode steps):
+    greedy output stays token for token the plain engine's, and the next calls run plain."""
+    m, template, prompts = setup
+    assert MARGINAL.best_speedup() > 1.0
+    spec = InferenceEngine(m, template, max_sessions=4,
+                           speculative=SpeculativeConfig(cost=MARGINAL, off_calls=2))  # fmt: skip
+    plain = InferenceEngine(m, template, max_sessions=4)
+    sids, pids = [spec.start(p) for p in prompts], [plain.start(p) for p in prompts]
+    got = spec.generate_speculative(sids, 12, 0.0, stop_ids=())
+    want = plain.generate(pids, 12, 0.0, stop_ids=())
+    assert spec.stats["speculation_off_calls"] == 0 and spec.stats["decode_steps"] > 0  # handed to generate
+    assert all(spec.speculation_stats(s)["steps"] + spec.speculation_stats(s)["plain_steps"] < 11 for s in sids)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.token_ids) == 12
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    # the call lost to plain decoding: the next off_calls = 2 calls are plain, the one after probes
+    for n_off in (1, 2, 2):
+        spec.generate_speculative(sids, 4, 0.0, stop_ids=())
+        assert spec.stats["speculation_off_calls"] == n_off
+
+
+def test_plain_finish_is_a_function_of_the_seeds(setup):
+    m, template, prompts = setup
+
+    def run():
+        spec = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig(cost=MARGINAL))
+        outs = spec.generate_speculative([spec.start(p) for p in prompts], 12, 1.0, stop_ids=(), seed=7)
+        assert spec.stats["decode_steps"] > 0
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    assert run() == run()
+
+
+def test_plain_step_time_leaves_no_inference_tensors(setup, monkeypatch):
+    """The timed batch's tensors become its layout's CUDA-graph storage, which later generate calls
+    copy into outside inference mode: they must not be inference tensors (seen on the H200: the first
+    generate batch of a measured layout failed mid-call with 'Inplace update to inference tensor')."""
+    from model import engine as engine_module
+
+    built = []
+
+    class Recording(engine_module.RaggedBatch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if "pool" in kwargs:  # the timed batch (the prefill batch before it takes no pool)
+                built.append([getattr(o, name).is_inference() for o, name in self.fields()])
+
+    monkeypatch.setattr(engine_module, "RaggedBatch", Recording)
+    m, template, _ = setup
+    InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig())._plain_step_time(2, repeats=1)
+    assert built and built[0] and not any(built[0])

@@ -136,3 +136,12 @@ def test_ced_engine_records_the_decoder_only_where_it_ran():
     R = len(prompt) - W  # the decoder replay segment of the prompt
     assert bool((routing[:R, E:] == -1).all()) and bool((routing[R:-1] >= 0).all())
     assert torch.equal(routing[:-1, :E], _full_routing(model, tokens[:-1])[:, :E])  # the encoder ran everywhere
+
+
+def test_compiled_moe_layer_reads_no_routing_context():
+    """Under torch.compile (the engine's compiled decode step) the MoE layer neither records nor
+    replays, so dynamo breaks no graph at the ContextVar reads; eager calls inside the contexts do."""
+    moe = _model().layers[0].ffn
+    x = torch.randn(1, 3, ARGS.dim, generator=torch.Generator().manual_seed(4))
+    explained = torch._dynamo.explain(moe)(x)
+    assert not any("ContextVar" in str(b.reason) for b in explained.break_reasons), explained.break_reasons

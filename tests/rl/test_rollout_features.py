@@ -74,7 +74,8 @@ def test_rollout_batch_metrics_name_the_features_and_split_acceptance_by_version
                           rollout_stats={"cache_bytes_per_token": 100.0, "replay_segments": 2.0,
                                          "prefix_global_hit": hit, "prefix_global_miss": 1.0 - hit,
                                          "spec_steps": 2.0, "spec_plain_steps": 2.0, "spec_emitted": 5.0,
-                                         "spec_drafted": drafted, "spec_accepted": accepted})  # fmt: skip
+                                         "spec_drafted": drafted, "spec_accepted": accepted,
+                                         "spec_off_calls": float(drafter == 2)})  # fmt: skip
 
     job = JobConfig(trainer=TrainerConfig(kind="rl"))
     out = rollout_stats([traj(1, 1, 4, 2, 1), traj(1, 2, 4, 4, 0), traj(2, 2, 2, 0, 1)], job)
@@ -83,6 +84,7 @@ def test_rollout_batch_metrics_name_the_features_and_split_acceptance_by_version
     assert out["prefix_hit_rate"] == pytest.approx(2 / 3) and out["cache_bytes_per_token"] == 100.0
     assert out["dspark_rollout_acceptance"] == pytest.approx(6 / 10)
     assert out["dspark_rollout_drafting_frac"] == 0.5
+    assert out["dspark_rollout_off_frac"] == pytest.approx(1 / 3)  # one of the three turns ran plain
     assert out["dspark_rollout_acceptance/d1/p1"] == 0.5 and out["dspark_rollout_acceptance/d1/p2"] == 1.0
     assert out["dspark_rollout_acceptance/d2/p2"] == 0.0
 
