@@ -33,13 +33,15 @@ def emit(metric: str, **fields) -> None:
 
 
 def token_costs(demo_messages: list[dict]) -> None:
+    """Tokens of one demonstration as its episodes render it: the family tasks' tools in the system turn."""
     from envs.tools import tool_schemas
     from model.chat_template import ChatTemplate
     from model.tokenizer import Tokenizer
+    from synth.families import FAMILY_TOOLS
 
-    template = ChatTemplate(Tokenizer.default())
-    system = template.render(demo_messages[:1], tools=tool_schemas()).token_ids
-    whole = template.render(demo_messages, tools=tool_schemas())
+    template, tools = ChatTemplate(Tokenizer.default()), tool_schemas(FAMILY_TOOLS)
+    system = template.render(demo_messages[:1], tools=tools).token_ids
+    whole = template.render(demo_messages, tools=tools)
     per_turn = defaultdict(list)
     for span in whole.turn_spans[1:]:
         msg = demo_messages[span.message_index]

@@ -37,9 +37,33 @@ from collections.abc import Callable
 import torch
 
 from model.attention import LayerCache
-from model.transformer import ModelCache, Transformer
+from model.transformer import ModelCache, Transformer, make_engram_inputs
 
 # ModelCache fields that are rings, and how many entries each keeps beyond max_rollback
+# CUDA-graph decode batches size their banks in multiples of this many tokens, so that generate calls
+# of nearby lengths share one storage and its graphs (GraphPool)
+GRAPH_TOKENS = 1024
+
+
+def engram_rows(hasher, token_lists, pos: list[int], ids: list[list[int]], n_ctx: int, device) -> dict:
+    """Engram inputs of a ragged step: row b's tokens ids[b] (padded to the longest) at pos[b], its
+    context the n_ctx tokens before; rows are hashed in groups of equal context length (rows near
+    their start have fewer). Padding positions hash too; the caller drops what they produce."""
+    S = max(map(len, ids))
+    x = torch.tensor([row + [0] * (S - len(row)) for row in ids], dtype=torch.long)
+    by_c: dict[int, list[int]] = {}
+    for b, p in enumerate(pos):
+        by_c.setdefault(min(p, n_ctx), []).append(b)
+    hashes = None
+    for c, rows in by_c.items():
+        ctx = torch.tensor([token_lists[b][pos[b] - c : pos[b]] for b in rows]) if c else None
+        h = make_engram_inputs(hasher, x[rows], context_ids=ctx)["hashes"]
+        if hashes is None:
+            hashes = h.new_zeros(len(pos), *h.shape[1:])
+        hashes[rows] = h
+    return {"hashes": hashes.to(device), "engram_mask": None}
+
+
 _LAYER_RINGS = ("window_kv", "raw_kv", "raw_score")
 _LAYER_BANKS = ("compress_kv", "index_k")
 _MODEL_RINGS = ("recent_ids", "encoder_h", "encoder_pre")
@@ -501,4 +525,5 @@ def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool) -> None:
     out[row_N.to(out.device), col_N.to(out.device)] = flat
 
 
-__all__ = ["COMPILED_BUCKETS", "GRAPH_BUCKETS", "GraphPool", "RaggedBatch", "compile_decode"]
+__all__ = ["COMPILED_BUCKETS", "GRAPH_BUCKETS", "GRAPH_TOKENS", "GraphPool", "RaggedBatch", "compile_decode",
+           "engram_rows"]

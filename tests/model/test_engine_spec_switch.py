@@ -118,17 +118,17 @@ def test_plain_step_time_leaves_no_inference_tensors(setup, monkeypatch):
     """The timed batch's tensors become its layout's CUDA-graph storage, which later generate calls
     copy into outside inference mode: they must not be inference tensors (seen on the H200: the first
     generate batch of a measured layout failed mid-call with 'Inplace update to inference tensor')."""
-    from model import engine as engine_module
+    from model import engine_speculative
 
     built = []
 
-    class Recording(engine_module.RaggedBatch):
+    class Recording(engine_speculative.RaggedBatch):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if "pool" in kwargs:  # the timed batch (the prefill batch before it takes no pool)
                 built.append([getattr(o, name).is_inference() for o, name in self.fields()])
 
-    monkeypatch.setattr(engine_module, "RaggedBatch", Recording)
+    monkeypatch.setattr(engine_speculative, "RaggedBatch", Recording)
     m, template, _ = setup
     InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig())._plain_step_time(2, repeats=1)
     assert built and built[0] and not any(built[0])
