@@ -96,3 +96,30 @@ def test_infra_failed_rollouts_are_excluded_from_group_statistics():
     assert len(scored.trajs) == 2 and all(not t.infra_failed for t in scored.trajs)
     assert scored.advantages == pytest.approx([1.0, -1.0], abs=1e-5)  # mean 0.5, std 0.5 over the 2 valid
     assert scored.stats["infra_failed"] == 1 and scored.stats["reward_mean"] == 0.5
+
+
+def test_a_session_with_tokens_no_generation_accounts_for_is_an_infra_failure(engine_and_template):
+    """A generate call that raised after committing tokens leaves them without log-probs: the episode's
+    trajectory is infra-failed with the reason, not a crash of the rollout worker."""
+    from rl.rollout import TokenPolicy
+
+    engine, template = engine_and_template
+    task = vars(toy_tasks(1)[0])
+    req = RolloutRequest(key="g/0", group_id="g", task_id=task["task_id"], seed=1, env="toy", task=task)
+
+    async def main():
+        batcher = SessionBatcher(engine, SamplingParams(temperature=1.0, max_new_tokens=4))
+        policy = TokenPolicy(batcher, template, None, seed=1)
+        batcher.register()
+        await policy([{"role": "user", "content": task["prompt"]}])
+        batcher.unregister()
+        ok = policy.trajectory(req, reward=1.0)
+        engine.generate([policy.session], 3, 1.0, seed=5)  # tokens committed, their Generation never returned
+        lost = policy.trajectory(req, reward=1.0, verifier={"termination": "policy_error", "error": "boom"})
+        policy.close()
+        return ok, lost
+
+    ok, lost = asyncio.run(main())
+    assert not ok.infra_failed and sum(ok.loss_mask) > 0
+    assert lost.infra_failed and not any(lost.loss_mask) and all(math.isnan(x) for x in lost.logprobs)
+    assert len(lost.token_ids) == len(ok.token_ids) + 3 and "failed mid-call (boom)" in lost.verifier["error"]
