@@ -491,6 +491,7 @@ class InferenceEngine(SpeculativeDecoding):
         stop_when: Callable[[str], bool] | None = None,
         admit: Callable[[], Sequence[tuple[int, int | None]]] | None = None,
         on_finish: Callable[[int, Generation], None] | None = None,
+        continue_turn: bool = False,
     ) -> list[Generation]:
         """Generate up to `max_new_tokens` per session, all sessions advancing together.
 
@@ -506,7 +507,9 @@ class InferenceEngine(SpeculativeDecoding):
         in one forward, their first tokens sampled, and they decode in the same forward as the rest
         from the next step on, with this call's sampling and limits. `on_finish(session_id, gen)` is
         called as each session stops. Returns the Generations of `session_ids`, then of the joined
-        sessions in the order they joined.
+        sessions in the order they joined. `continue_turn`: the sessions go on with a generation already
+        in progress (each lacks only its newest generated token), which a decode step feeds whatever the
+        prefill mode; otherwise a CED engine prefills what a call starts with, a replay segment of a turn.
         """
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
@@ -518,7 +521,8 @@ class InferenceEngine(SpeculativeDecoding):
         outs = [self._new_generation(s) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
         # sessions that lack only their newest token (a continued generation) are fed by a decode step
-        by_decode = self.prefill_mode == "full" and bool(active) and all(sessions[i].n_unfed == 1 for i in active)
+        by_decode = ((self.prefill_mode == "full" or continue_turn) and bool(active)
+                     and all(sessions[i].n_unfed == 1 for i in active))  # fmt: skip
         if not by_decode:
             self._feed([sessions[i] for i in active])
         # decode: the sessions that go on are the rows of one RaggedBatch (one forward per step);
