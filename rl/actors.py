@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -272,21 +273,30 @@ class RolloutWorker:
         self.version = version
         return version
 
-    async def rollout_group(self, requests: list[RolloutRequest]) -> list[Trajectory]:
-        """Run the episodes of one group concurrently; one Trajectory per request, in order."""
+    async def rollout_group(
+        self, requests: list[RolloutRequest], on_episode: Callable[[Trajectory], None] | None = None
+    ) -> list[Trajectory]:
+        """Run the episodes of one group concurrently; one Trajectory per request, in order.
+        `on_episode` (in-process callers, e.g. flashpost-eval's progress bar) sees each as it ends."""
         import asyncio
+
+        async def report(coro):
+            t = await coro
+            if on_episode is not None:
+                on_episode(t)
+            return t
 
         if self.version < 0:
             raise RuntimeError("rollout worker has no policy weights yet: call set_weights first")
         t0 = time.perf_counter()
         if self.served is not None:
-            trajs = await asyncio.gather(*(self._served_episode(r) for r in requests))
+            trajs = await asyncio.gather(*(report(self._served_episode(r)) for r in requests))
             self.tokens_generated = self.served[0].loop.stats["tokens_generated"]
         else:
             # one batcher per group: a group's engine batches do not depend on what else the worker runs
             in_process = all(r.env == "toy" for r in requests)
             batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
-            trajs = await asyncio.gather(*(self._episode(r, batcher) for r in requests))
+            trajs = await asyncio.gather(*(report(self._episode(r, batcher)) for r in requests))
             self.tokens_generated += batcher.tokens_generated
         seconds = time.perf_counter() - t0
         for t in trajs:

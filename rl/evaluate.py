@@ -24,6 +24,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from tqdm import tqdm
 
 from rl.config import EvalConfig, to_eval_config
 from synth.taskset import TaskSetError
@@ -98,9 +99,20 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
         reqs = [RolloutRequest(key=f"{row.id}/{m}", group_id=row.id, task_id=row.id, env=task["env"],
                                seed=cfg.seed * 1_000_003 + m, task=task["task"])
                 for row, task in zip(ts.tasks, payloads) for m in range(cfg.samples)]  # fmt: skip
-        if progress:
-            print(f"[eval] {len(reqs)} episodes of {len(ts.tasks)} {cfg.split} tasks in one batch", flush=True)
-        done = await worker.rollout_group(reqs)
+        # one bar over every episode of the batch, the pass count beside it
+        bar = tqdm(total=len(reqs), desc=f"eval {cfg.split} episodes", unit="episode", disable=not progress)
+        passed = 0
+
+        def tick(t) -> None:
+            nonlocal passed
+            passed += bool(t.verifier.get("passed")) and not t.infra_failed
+            bar.set_postfix(passed=passed, refresh=False)
+            bar.update(1)
+
+        try:
+            done = await worker.rollout_group(reqs, on_episode=tick)
+        finally:
+            bar.close()
         for i, row in enumerate(ts.tasks):
             trajs = done[i * cfg.samples:(i + 1) * cfg.samples]
             transcripts.extend(episode_transcript(t, template, m) for m, t in enumerate(trajs))

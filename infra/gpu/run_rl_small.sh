@@ -14,7 +14,7 @@
 # fixture task images from the base image (envs/fixtures/build.py; cached by content), runs the job into
 # $RUN_ROOT/LABEL for at most $RL_TIMEOUT_S seconds (default 240) and copies its metrics.jsonl and the
 # log's tail to $OUT/LABEL-metrics.jsonl and $OUT/LABEL.log (what the device tool brings back).
-# Sizes: $RL_STEPS learner updates (default 3); the rest of the job is conf/ at cluster=h200 (2 groups of
+# Sizes: $SFT_STEPS steps of SFT first (default 0: none; see below), $RL_STEPS learner updates (default 3); the rest of the job is conf/ at cluster=h200 (2 groups of
 # 8 episodes per update, up to 4 turns of 64 new tokens), plus env.max_concurrent=16 sandboxes. Extra
 # arguments are Hydra overrides appended last (e.g. ++model.overrides.impl=triton for the Triton kernels
 # and the engine's CUDA-graph decode; figures in docs/h200_rl.md).
@@ -32,11 +32,30 @@ source infra/gpu/host_env.sh || exit 1
 t0=$(date +%s)
 python3 -m envs.fixtures.build > /dev/null || { say "building the fixture task images failed"; exit 1; }
 say "fixture task images ready in $(( $(date +%s) - t0 )) s"
+# SFT_STEPS > 0: first `trainer=sft` on the fixtures' demonstrations, and RL starts from its checkpoint. Seeded
+# weights solve nothing, so every group scores 0 and GRPO skips every update (zero spread); a policy that has
+# seen the gold patches passes some episodes at T = 0.7 and not others, so the learner trains.
+INIT=()
+if (( ${SFT_STEPS:-0} > 0 )); then
+    SFT_DIR=$RUN_ROOT/$LABEL-sft
+    rm -rf "$SFT_DIR"
+    t0=$(date +%s)
+    timeout -s INT -k 20 "${SFT_TIMEOUT_S:-200}" python3 -m rl.train trainer=sft tasks=fixtures model=small cluster=h200 \
+        run_dir="$SFT_DIR" trainer.max_steps="$SFT_STEPS" trainer.checkpoint_every="$SFT_STEPS" \
+        ++trainer.batch_size=6 ++trainer.optim.compile_muon=false "$@" > "$RUN_ROOT/$LABEL-sft.log" 2>&1
+    rc=$?
+    say "$LABEL-sft: exit code $rc after $(( $(date +%s) - t0 )) s"
+    tail -c 20000 "$RUN_ROOT/$LABEL-sft.log" > "$OUT/$LABEL-sft.log"
+    [[ -f $SFT_DIR/metrics.jsonl ]] && cp "$SFT_DIR/metrics.jsonl" "$OUT/$LABEL-sft-metrics.jsonl"
+    (( rc == 0 )) || exit "$rc"
+    INIT=("++trainer.init_checkpoint=$SFT_DIR/checkpoints/$(cat "$SFT_DIR/checkpoints/latest")/model.safetensors")
+fi
 RUN_DIR=$RUN_ROOT/$LABEL
 rm -rf "$RUN_DIR"
 t0=$(date +%s)
 timeout -s INT -k 20 "${RL_TIMEOUT_S:-240}" python3 -m rl.train trainer=rl tasks=fixtures model=small cluster=h200 \
-    run_dir="$RUN_DIR" trainer.max_steps="${RL_STEPS:-3}" ++env.max_concurrent=16 "$@" > "$RUN_ROOT/$LABEL.log" 2>&1
+    run_dir="$RUN_DIR" trainer.max_steps="${RL_STEPS:-3}" ++env.max_concurrent=16 "${INIT[@]}" "$@" \
+    > "$RUN_ROOT/$LABEL.log" 2>&1
 rc=$?
 say "$LABEL: exit code $rc after $(( $(date +%s) - t0 )) s (124: the time limit)"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader >&2 || true

@@ -37,7 +37,8 @@ def test_eval_reports_the_toy_heldout_split(tmp_path):
     assert report["split"] == "heldout" and report["overall"]["tasks"] == 2  # 8 toy tasks, a quarter held out
     assert all(t["samples"] == 2 and t["infra_failed"] == 0 for t in report["per_task"])
     assert (tmp_path / "out" / "eval.md").read_text() == markdown(report)
-    assert "[eval] 4 episodes of 2 heldout tasks in one batch" in p.stdout  # one rollout_group call for all
+    # one rollout_group call for all four episodes: one progress bar counts them to the end
+    assert "eval heldout episodes: 100%" in p.stderr and "4/4" in p.stderr
 
 
 def test_bad_task_set_input_is_one_line_naming_the_fix(tmp_path):
