@@ -6,10 +6,10 @@
 
 JSON lines:
   {"kind": "rollout", "features": ...}  one per configuration (all off; CED; CED + prefix cache; CED +
-      prefix cache + DSpark speculation = the default; CED + packed caches): episodes/s and generated
-      tokens/s of whole groups through one RolloutWorker (rl/actors.py), tokens fed to the model, CED
-      replay tokens, prefix-cache hits per session start, DSpark drafting and acceptance, packed cache
-      bytes per token. Every configuration runs the same groups (same seeds) after one warm-up group.
+      prefix cache + packed caches + DSpark speculation = the default; CED + packed caches): episodes/s
+      and generated tokens/s of whole groups through one RolloutWorker (rl/actors.py), tokens fed to the
+      model, CED replay tokens, prefix-cache hits per session start, DSpark drafting and acceptance,
+      packed cache bytes per token. Every configuration runs the same groups (same seeds) after one warm-up group.
   {"kind": "mismatch", "simulate_replay": ..., "routing_replay": ...}  learner vs rollout log-probs at the
       same weights (rl/losses.py same_version_mismatch, the number trainers log): mean |Δ log p| and k3,
       with the learner's simulated decoder replay on and off, and its routing replay (trainer.routing_replay)
@@ -47,7 +47,7 @@ CONFIGS: dict[str, dict] = {
     "all_off": dict(prefill_mode="full", prefix_cache=False, packed_cache=False, speculative=False),
     "ced": dict(prefill_mode="ced", prefix_cache=False, packed_cache=False, speculative=False),
     "ced+prefix": dict(prefill_mode="ced", prefix_cache=True, packed_cache=False, speculative=False),
-    "default": dict(prefill_mode="ced", prefix_cache=True, packed_cache=False, speculative=True),
+    "default": dict(prefill_mode="ced", prefix_cache=True, packed_cache=True, speculative=True),
     "ced+packed": dict(prefill_mode="ced", prefix_cache=False, packed_cache=True, speculative=False),
 }
 

@@ -26,7 +26,8 @@ DSpark speculative decoding: `generate_speculative` (engine built with `speculat
 model/engine_speculative.py (a mixin of the engine), the step itself in model/speculative.py.
 CED prefill (`prefill_mode="ced"`): each prompt (what a prefill or the start of a generate call feeds)
 goes through model/ced.py, all sessions' at once; decode steps are the ragged steps above.
-Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix.
+Prefix-cache tiers (`prefix_cache=`, CED only): `start` restores the longest stored prefix, in the
+sessions' storage format (dense or packed).
 Routing record (`record_routing=True`): every fed token's MoE experts per backbone layer, for routing
 replay in training (`routing`, model.moe.routing_replay).
 Packed cache storage (`packed_cache=True`, QAT models): the sessions' LayerCaches hold the byte entries
@@ -171,13 +172,12 @@ class InferenceEngine(SpeculativeDecoding):
         self.graphs = GraphPool(COMPILED_BUCKETS if compile_decode else GRAPH_BUCKETS) if cuda_graphs else None
         self._decode_forward = ragged_cache.compile_decode(model) if compile_decode else None
         # packed_cache: sessions' LayerCaches store the window rings as FP8 and the global banks as
-        # FP4/MXFP4 bytes (model/packed_cache.py), unpacked to dense on every read. Off by default:
-        # without a kernel reading the bytes, each step unpacks the whole bank in torch (memory for
-        # compute), and the prefix cache, CED tests and cache inspection read the dense fields.
+        # FP4/MXFP4 bytes (model/packed_cache.py), unpacked on read (impl=triton reads the compressed KV
+        # entries it gathers as bytes); the prefix cache stores and restores them in this format. Off by
+        # default here (QAT-off models cannot use it; rollouts turn it on, rl/actors.py build_engine):
+        # without the kernel, each step unpacks the whole bank in torch (memory for compute).
         if packed_cache and not model.args.qat:
             raise ValueError("packed_cache is lossless only with qat on (values on the fake-quant grid)")
-        if packed_cache and prefix_cache is not None:
-            raise ValueError("the prefix cache stores dense LayerCache fields: use packed_cache=False with it")
         self.packed_cache = packed_cache
         self.record_routing = record_routing
         self.model = model.to(self.device).eval()
@@ -253,7 +253,7 @@ class InferenceEngine(SpeculativeDecoding):
             s = self._sessions[sid]
             cache, _ = self.prefix_cache.lookup(
                 self.model, s.token_ids, max_rollback=self._max_rollback,
-                engram_inputs=self._engram_fn([s.token_ids]), device=self.device,
+                engram_inputs=self._engram_fn([s.token_ids]), device=self.device, packed_cache=self.packed_cache,
             )  # fmt: skip
             if cache is not None:
                 s.cache = cache

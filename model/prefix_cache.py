@@ -5,10 +5,12 @@ An entry is the state of a session after consuming a token prefix, keyed by the 
   global  every layer's compressed KV and index keys (packed: FP4 E2M1 + E4M3/16 and MXFP4, exactly
           the training fake quant, model/packed_cache.py; dense when QAT is off), the compressors'
           pending half groups (fp32) and the Engram context ids; in memory and, given `root`, on disk
-          as one safetensors file per prefix. Persistent.
-  window  every layer's window (SWA) KV and the remembered encoder output; in memory only, dropped
-          `window_ttl_s` seconds after it was stored.
-`lookup` restores the longest stored prefix of a prompt (leaving at least one token to feed). On a
+          as one safetensors file per prefix. Persistent. A packed live cache's banks are these bytes
+          already: they are copied, not unpacked and packed again.
+  window  every layer's window (SWA) KV as the live cache holds it (FP8 entries or dense) and the
+          remembered encoder output; in memory only, dropped `window_ttl_s` seconds after it was stored.
+`lookup` restores the longest stored prefix of a prompt (leaving at least one token to feed) into
+LayerCaches of the caller's live format (dense, or packed with `packed_cache`). On a
 global hit with a window miss, encoder bounded replay rebuilds the encoder windows and encoder
 output from the last window_size cached tokens, with local attention confined to them and global
 attention to the restored banks, which it does not rewrite; the decoder windows are rebuilt by the
@@ -77,7 +79,7 @@ class PrefixCache:
                           metadata={"seq_len": str(cache.seq_len)})  # fmt: skip
         window = {f"{i}.window_kv": layer.window_kv for i, layer in enumerate(cache.layers)}
         window |= {"encoder_h": cache.encoder_h, "encoder_pre": cache.encoder_pre}
-        self._window[key] = (self.clock(), window)
+        self._window[key] = (self.clock(), {k: None if t is None else t.clone() for k, t in window.items()})  # owned
         self._lengths.add(len(token_ids))
         self.counters["stores"] += 1
         return key
@@ -86,15 +88,17 @@ class PrefixCache:
         out = {}
         for i, layer in enumerate(cache.layers):
             if layer.compress_kv is not None:
-                kv, k = layer.compress_kv.detach().cpu(), layer.index_k.detach().cpu()
-                out[f"{i}.compress_kv"] = pack_main_kv(kv.float()) if self.packed else kv
-                out[f"{i}.index_k"] = pack_index_k(k.float()) if self.packed else k
+                dtype = getattr(torch, layer.dtype) if layer.packed else layer.compress_kv.dtype
+                kv, k = _bank_as(layer.compress_kv, layer.index_k, layer.packed, self.packed, dtype)
+                out[f"{i}.compress_kv"], out[f"{i}.index_k"] = kv, k
                 out[f"{i}.ratio"] = torch.tensor([layer.ratio])
             if layer.raw_kv is not None:
-                out[f"{i}.raw_kv"], out[f"{i}.raw_score"] = layer.raw_kv.cpu(), layer.raw_score.cpu()
+                out[f"{i}.raw_kv"], out[f"{i}.raw_score"] = layer.raw_kv, layer.raw_score
         if cache.recent_ids is not None:
-            out["recent_ids"] = cache.recent_ids.cpu()
-        return out
+            out["recent_ids"] = cache.recent_ids
+        # copies (here and in the window tier): a live row is a view of its batch's gathered tensors
+        # (model/ragged_cache.py), which a stored view would keep alive for as long as the entry
+        return {name: t.detach().to("cpu", copy=True) for name, t in out.items()}
 
     def _path(self, key: str) -> Path:
         assert self.root is not None
@@ -112,10 +116,12 @@ class PrefixCache:
         max_rollback: int = 0,
         engram_inputs: EngramFn | None = None,
         device: torch.device | str = "cpu",
+        packed_cache: bool = False,
     ) -> tuple[ModelCache | None, str]:
         """The cache of the longest stored proper prefix of `token_ids` (None: global miss) and how it
         was restored: "warm" (both tiers), "replayed" (encoder bounded replay) or "miss".
-        `engram_inputs(pos, ids)` as in model.ced.ced_prefill (None: the model's own hasher)."""
+        `engram_inputs(pos, ids)` as in model.ced.ced_prefill (None: the model's own hasher).
+        `packed_cache`: the restored LayerCaches hold packed entries (the engine's live format)."""
         check_ced(model.args)
         if self.packed and not model.args.qat:
             raise ValueError("packed banks are exact only for QAT caches: use PrefixCache(packed=False) with qat off")
@@ -128,9 +134,12 @@ class PrefixCache:
             if tensors is None:
                 continue
             self.counters["global_hit"] += 1
-            cache = self._restore_global(model, tensors, n, max_rollback, torch.device(device))
+            cache = self._restore_global(model, tensors, n, max_rollback, packed_cache, torch.device(device))
             stamp, window = self._window.get(key, (None, None))
             if window is not None and self.clock() - stamp <= self.window_ttl_s:
+                if (window["0.window_kv"].dtype == torch.uint8) != packed_cache:
+                    raise ValueError("the window tier holds the live format of the engine that stored it: "
+                                     "one PrefixCache serves engines of one packed_cache setting")
                 self.counters["window_hit"] += 1
                 for i, layer in enumerate(cache.layers):
                     layer.window_kv = window[f"{i}.window_kv"]
@@ -143,16 +152,20 @@ class PrefixCache:
         self.counters["global_miss"] += 1
         return None, "miss"
 
-    def _restore_global(self, model: Transformer, tensors: dict, n: int, max_rollback: int, device) -> ModelCache:
+    def _restore_global(
+        self, model: Transformer, tensors: dict, n: int, max_rollback: int, packed_cache: bool, device
+    ) -> ModelCache:
         a = model.args
         dtype = model.embed.weight.dtype
         cache = ModelCache(max_rollback=max_rollback, encoder_out_len=a.window_size, seq_len=n)
-        cache.layers = [LayerCache(max_rollback=max_rollback) for _ in range(a.n_layers)]
+        # a packed layer names its dense dtype up front (the live ones learn it from their first write):
+        # encoder replay reads the bank before it writes, and batching compares the field
+        name = str(dtype).removeprefix("torch.") if packed_cache else ""
+        cache.layers = [LayerCache(max_rollback=max_rollback, packed=packed_cache, dtype=name)
+                        for _ in range(a.n_layers)]  # fmt: skip
         for i, layer in enumerate(cache.layers):
             if f"{i}.compress_kv" in tensors:
-                kv, k = tensors[f"{i}.compress_kv"], tensors[f"{i}.index_k"]
-                if self.packed:
-                    kv, k = unpack_main_kv(kv, dtype), unpack_index_k(k, dtype)
+                kv, k = _bank_as(tensors[f"{i}.compress_kv"], tensors[f"{i}.index_k"], self.packed, packed_cache, dtype)
                 layer.compress_kv, layer.index_k = kv.to(device), k.to(device)
                 layer.ratio = int(tensors[f"{i}.ratio"][0])
             if f"{i}.raw_kv" in tensors:
@@ -160,6 +173,16 @@ class PrefixCache:
         if "recent_ids" in tensors:
             cache.recent_ids = tensors["recent_ids"].to(device)
         return cache
+
+
+def _bank_as(kv: torch.Tensor, k: torch.Tensor, packed: bool, to_packed: bool, dtype: torch.dtype):
+    """A bank (compressed KV, index keys) from one storage format to the other: packed entries or dense
+    tensors of `dtype`. Exact both ways for values on the QAT grid; a format kept is returned as is."""
+    if packed == to_packed:
+        return kv, k
+    if to_packed:
+        return pack_main_kv(kv.float()), pack_index_k(k.float())
+    return unpack_main_kv(kv, dtype), unpack_index_k(k, dtype)
 
 
 @torch.no_grad()

@@ -105,7 +105,10 @@ class RaggedBatch:
         self.cache = ModelCache(max_rollback=rb + self.slack, encoder_out_len=c0.encoder_out_len, seq_len=0)
         # (owner index, field) -> (keep, per-row lengths); owner -1 = the ModelCache itself
         self.rings = {}
-        empty = _empty_entries(model, c0.layers[0].packed if c0.layers else False)
+        packed = {c.layers[0].packed for c in caches if c.layers}
+        if len(packed) > 1:  # stacking uint8 entries with dense rows would promote the bytes to values
+            raise ValueError("a RaggedBatch takes caches of one storage format: packed and dense rows are mixed")
+        empty = _empty_entries(model, packed == {True})
         keeps = {"recent_ids": a.engram_max_ngram_size - 1 + rb, "encoder_h": c0.encoder_out_len + rb,
                  "encoder_pre": c0.encoder_out_len + rb}  # fmt: skip
         for name in _MODEL_RINGS:

@@ -213,9 +213,10 @@ class RolloutConfig:
     # packed FP4/MXFP4 bytes under QAT); a group's shared prompt is prefilled once for its G samples (an
     # episode's later turns continue its own session's cache); emptied at each weight load;
     prefix_cache: bool = True
-    # packed_cache: live sessions hold their caches as packed bytes (FP8 windows, FP4/MXFP4 banks); the
-    # engine refuses it together with the prefix cache (the prefix tiers read dense fields);
-    packed_cache: bool = False
+    # packed_cache: live sessions hold their caches as packed bytes (FP8 windows, FP4/MXFP4 banks), which
+    # the prefix cache stores and restores as they are; lossless only on the QAT grid, so a model with
+    # qat off keeps dense caches whatever this says (rl/actors.py build_engine);
+    packed_cache: bool = True
     # speculative: DSpark speculative decoding (engine.generate_speculative), the draft length scheduled
     # by the measured cost model, switched off per session while it measures a loss;
     speculative: bool = True
@@ -230,9 +231,6 @@ class RolloutConfig:
         if self.prefix_cache and self.prefill_mode != "ced":
             raise ValueError("rollout.prefix_cache=true needs rollout.prefill_mode=ced (only CED states are cached); "
                              "set rollout.prefix_cache=false with prefill_mode=full")
-        if self.prefix_cache and self.packed_cache:
-            raise ValueError("rollout.packed_cache=true and rollout.prefix_cache=true together are refused by the "
-                             "engine (the prefix tiers store dense cache fields): turn one of them off")
         if self.max_policy_lag < 0:
             raise ValueError("rollout.max_policy_lag must be >= 0 (0 = synchronous)")
         if not 0.0 < self.top_p <= 1.0:

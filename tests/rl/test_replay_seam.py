@@ -1,7 +1,8 @@
 """trainer.simulate_replay: the learner's log-probs of multi-turn rollouts from a rollout worker with the
-default V4.1 inference path (CED prefill, prefix cache, DSpark speculation) match the rollout's own
-log-probs, through model/replay.py; the plain full forward does not (decoder replay truncates local
-attention per turn). The number compared is the one the learner logs every step (same_version_*)."""
+default V4.1 inference path (CED prefill, prefix cache, packed caches under QAT, DSpark speculation)
+match the rollout's own log-probs, through model/replay.py; the plain full forward does not (decoder
+replay truncates local attention per turn). The number compared is the one the learner logs every step
+(same_version_*)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_simulated_replay_reproduces_the_default_rollout_logprobs(qat):
     choice = ModelChoice(flavor="debug", overrides={**DEBUG.overrides, "qat": qat})
     model, _ = build_model(choice, seed=1)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    # the rollout defaults: CED prefill, prefix cache, DSpark speculation
+    # the rollout defaults: CED prefill, prefix cache, packed caches (dense with qat off), DSpark speculation
     trajs = _rollouts(choice, weights, RolloutConfig(temperature=1.0, max_new_tokens=12))
     assert all(len(t.turn_starts) == 3 and t.turn_starts[-1] > model.args.window_size for t in trajs)
     assert all(t.rollout_stats["prefix_global_hit"] == 1.0 and "spec_drafted" in t.rollout_stats for t in trajs)

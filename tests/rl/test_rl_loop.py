@@ -101,7 +101,7 @@ def test_resume_reissues_in_flight_groups_exactly_once(tmp_path):
     path and a plain learner forward (full prefill, no simulated replay), where a debug rollout group takes
     longer than a learner step, so the last checkpoint catches groups in flight; with the V4.1 defaults the
     groups were already buffered by then (the relative speeds differ; what resume does with them does not)."""
-    plain = dict(prefill_mode="full", prefix_cache=False, speculative=False)
+    plain = dict(prefill_mode="full", prefix_cache=False, packed_cache=False, speculative=False)
     first = AsyncDriver(_job("rl", 2, lag=1, **plain), tmp_path, progress=False)
     try:
         first.run()

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from rl.actors import RolloutWorker, build_model
+from rl.actors import RolloutWorker, build_engine, build_model
 from rl.config import JobConfig, ModelChoice, RolloutConfig, TrainerConfig
 from rl.payloads import Trajectory
 from rl.rl_loop import rollout_stats
@@ -54,7 +54,7 @@ def test_prefix_cache_hits_change_no_token_or_logprob(weights):
 def test_default_rollout_runs_the_v41_path_and_records_the_drafter_version(weights):
     worker = RolloutWorker(DEBUG, RolloutConfig(temperature=1.0, max_new_tokens=8))
     assert worker.engine.prefill_mode == "ced" and worker.engine.prefix_cache is not None
-    assert worker.engine.speculative is not None
+    assert worker.engine.speculative is not None and worker.engine.packed_cache
     trajs = _group(worker, weights, version=1)
     assert all(t.drafter_version == 1 for t in trajs)
     st = trajs[0].rollout_stats
@@ -80,7 +80,9 @@ def test_rollout_batch_metrics_name_the_features_and_split_acceptance_by_version
     job = JobConfig(trainer=TrainerConfig(kind="rl"))
     out = rollout_stats([traj(1, 1, 4, 2, 1), traj(1, 2, 4, 4, 0), traj(2, 2, 2, 0, 1)], job)
     assert out["feature_ced"] == out["feature_prefix_cache"] == out["feature_speculative"] == 1.0
-    assert out["feature_simulate_replay"] == 1.0 and out["feature_packed_cache"] == out["feature_routing_replay"] == 0.0
+    assert out["feature_simulate_replay"] == out["feature_packed_cache"] == 1.0 and out["feature_routing_replay"] == 0.0
+    no_qat = JobConfig(trainer=TrainerConfig(kind="rl"), model=ModelChoice(overrides={"qat": False}))
+    assert rollout_stats([], no_qat)["feature_packed_cache"] == 0.0  # what ran: dense caches (build_engine)
     assert out["prefix_hit_rate"] == pytest.approx(2 / 3) and out["cache_bytes_per_token"] == 100.0
     assert out["dspark_rollout_acceptance"] == pytest.approx(6 / 10)
     assert out["dspark_rollout_drafting_frac"] == 0.5
@@ -92,8 +94,6 @@ def test_rollout_batch_metrics_name_the_features_and_split_acceptance_by_version
 def test_inference_switches_are_validated_with_the_fix_named():
     with pytest.raises(ValueError, match="prefill_mode=ced"):
         RolloutConfig(prefill_mode="full")  # the prefix cache caches CED states only
-    with pytest.raises(ValueError, match="turn one of them off"):
-        RolloutConfig(packed_cache=True)
     RolloutConfig(prefill_mode="full", prefix_cache=False)
     # the learner's replay follows the rollout's prefill unless set; set against it, it is refused
     assert JobConfig(trainer=TrainerConfig(kind="rl")).trainer.simulate_replay is True
@@ -103,3 +103,11 @@ def test_inference_switches_are_validated_with_the_fix_named():
     assert JobConfig(trainer=TrainerConfig(kind="sft")).trainer.simulate_replay is False
     with pytest.raises(ValueError, match="simulate_replay"):
         JobConfig(trainer=TrainerConfig(kind="rl", simulate_replay=False))
+
+
+def test_packed_caches_stay_dense_without_qat():
+    """Packed bytes are lossless only on the QAT grid: with qat off the default rollout keeps live caches
+    and prefix banks dense instead of refusing (rollout.packed_cache's documented fallback)."""
+    model, template = build_model(ModelChoice(flavor="debug", overrides={**DEBUG.overrides, "qat": False}), seed=0)
+    engine = build_engine(model, template, RolloutConfig(), torch.device("cpu"))
+    assert RolloutConfig().packed_cache and not engine.packed_cache and not engine.prefix_cache.packed

@@ -26,8 +26,8 @@ torch.set_num_threads(1)
 DEBUG = ModelChoice(flavor="debug", overrides={"vocab_size": 4096, "engram_compressed_vocab_size": 2742,
                                                "max_seq_len": 256})  # fmt: skip
 VERSION = 5
-# "ced": the rollout defaults (CED prefill, prefix cache, DSpark speculation) with simulated decoder
-# replay in the learner; "full": full prefill, the plain teacher-forced forward
+# "ced": the rollout defaults (CED prefill, prefix cache, packed caches, DSpark speculation) with simulated
+# decoder replay in the learner; "full": full prefill, the plain teacher-forced forward
 MODES = {"ced": ({}, True), "full": ({"prefill_mode": "full", "prefix_cache": False}, False)}
 
 
