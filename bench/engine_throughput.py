@@ -12,7 +12,8 @@ the batch's size), then the timed `generate(..., new_tokens, no stop ids, T = 1)
 lack only their newest token, so every one of its new_tokens tokens costs one decode step,
 sampling and bookkeeping included. Rows {engine: "flashpost", cuda_graphs, compile_decode (the
 inductor-compiled decode step, --compile; its compiles fall in warmup_s), prefill_mode (full-stack
-or CED prefill, --prefill-mode; a CED prefill counts as one forward), flavor, device, impl,
+or CED prefill, --prefill-mode; a CED prefill counts as one forward), packed_cache (live caches as
+packed bytes, the rollout workers' default, --packed-cache), flavor, device, impl,
 sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwards, warmup_s,
 graph_captures, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model calls
 per decode step), bytes_per_step (weights a decode step touches at this batch + every session's
@@ -94,11 +95,11 @@ def decode_bytes(args: ModelArgs, model, engine: InferenceEngine, sids: list[int
 
 
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
-               compiled: bool = False) -> dict:  # fmt: skip
+               compiled: bool = False, packed: bool = False) -> dict:  # fmt: skip
     n = len(prompts)
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 8,
-                             prefill_mode=prefill_mode, compile_decode=compiled)  # fmt: skip
+                             prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed)  # fmt: skip
     warm = engine.start(prompts[0])  # first-call allocations, rope tables
     engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
     engine.close(warm)
@@ -121,7 +122,7 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     lens = [len(p) for p in prompts]
     return {
         "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled, "prefill_mode": prefill_mode,
-        "flavor": flavor,
+        "packed_cache": packed, "flavor": flavor,
         "device": _device_name(device), "impl": args.impl, "sessions": n,
         "prompt_lens": [min(lens), max(lens), len(set(lens))],
         "new_tokens": new_tokens, "prefill_s": round(t1 - t0, 4), "prefill_forwards": prefill_forwards,
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
+    p.add_argument("--packed-cache", default="off", choices=("on", "off", "both"),
+                   help="sessions' live caches as packed bytes (the rollout default; QAT models) or dense")  # fmt: skip
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -225,12 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     engines = [(g, c) for g in modes for c in (compiles if g else (False,))]
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
+    packs = {"on": (True,), "off": (False,), "both": (False, True)}[a.packed_cache]
     for n in sessions:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
         for graphs, compiled in engines:
-            for pm in prefill_modes:
+            for pm, packed in [(pm, pk) for pm in prefill_modes for pk in packs]:
                 try:
-                    row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled)
+                    row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
                     if not compiled:
                         raise
