@@ -220,24 +220,26 @@ class TokenPolicy:
 
     def trajectory(self, req: RolloutRequest, **fields: Any) -> Trajectory:
         """The session as a Trajectory: tokens, mask = generated tokens, their log-probs and versions.
-        A session holding generated tokens that no returned Generation accounts for (a generate call that
-        failed after committing tokens) has no log-probs for them: the trajectory is infra-failed (kept
-        for the record, excluded from its group and from training) instead of failing the whole job."""
+        A turn whose generate call raised (before or after committing tokens: then no returned Generation
+        accounts for them and they have no log-probs) makes the trajectory infra-failed (kept for the
+        record, excluded from its group and from training) instead of failing the whole job."""
         tokens = self.engine.tokens(self.session)
         versions = self.engine.token_versions(self.session)
         logprobs = [lp for g in self.generations for lp in g.logprobs]
         n_generated = sum(v is not None for v in versions)
-        if n_generated != len(logprobs):
+        # a failed call leaves its turn start behind, possibly at the end of the tokens (nothing committed)
+        turn_starts = [s for s in self.turn_starts if s < len(tokens)]
+        if n_generated != len(logprobs) or len(self.turn_starts) > len(self.generations):
             verifier = dict(fields.get("verifier") or {})
-            verifier["error"] = (f"{n_generated} generated tokens but {len(logprobs)} log-probs: a generate call "
-                                 f"failed mid-call ({verifier.get('error') or 'no error recorded'})")
+            verifier["error"] = (f"generate call {len(self.generations) + 1} failed ({n_generated} generated tokens, "
+                                 f"{len(logprobs)} log-probs): {verifier.get('error') or 'no error recorded'}")
             fields = {**fields, "infra_failed": True, "verifier": verifier}
             versions = [None] * len(versions)  # nothing of it is trained on
         it = iter(logprobs)
         lps = [next(it) if v is not None else float("nan") for v in versions]
         return Trajectory(
             token_ids=tokens, loss_mask=[v is not None for v in versions], logprobs=lps,
-            versions=[-1 if v is None else v for v in versions], turn_starts=list(self.turn_starts),
+            versions=[-1 if v is None else v for v in versions], turn_starts=turn_starts,
             task_id=req.task_id, group_id=req.group_id, seed=req.seed, transcript=self.transcript(),
             rollout_stats=self.engine_stats(),
             routing=self.engine.routing(self.session) if self.engine.record_routing else None, **fields,

@@ -122,4 +122,37 @@ def test_a_session_with_tokens_no_generation_accounts_for_is_an_infra_failure(en
     ok, lost = asyncio.run(main())
     assert not ok.infra_failed and sum(ok.loss_mask) > 0
     assert lost.infra_failed and not any(lost.loss_mask) and all(math.isnan(x) for x in lost.logprobs)
-    assert len(lost.token_ids) == len(ok.token_ids) + 3 and "failed mid-call (boom)" in lost.verifier["error"]
+    assert len(lost.token_ids) == len(ok.token_ids) + 3 and "boom" in lost.verifier["error"]
+
+
+def test_a_turn_whose_generate_raised_before_any_token_is_an_infra_failure(engine_and_template, monkeypatch):
+    """A generate call that raised before committing a token (seen on the H200: a CUDA graph capture that
+    failed) leaves its turn start at the end of the session's tokens: the trajectory is infra-failed and
+    well-formed, not a ValueError that ends the RL job."""
+    from rl.rollout import TokenPolicy
+
+    engine, template = engine_and_template
+    task = vars(toy_tasks(1)[0])
+    req = RolloutRequest(key="g/0", group_id="g", task_id=task["task_id"], seed=1, env="toy", task=task)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    async def main():
+        batcher = SessionBatcher(engine, SamplingParams(temperature=1.0, max_new_tokens=4))
+        policy = TokenPolicy(batcher, template, None, seed=1)
+        batcher.register()
+        messages = [{"role": "user", "content": task["prompt"]}]
+        reply = await policy(messages)
+        monkeypatch.setattr(engine, "generate", broken)
+        with pytest.raises(RuntimeError, match="capture failed"):
+            await policy(messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "again"}])
+        batcher.unregister()
+        lost = policy.trajectory(req, reward=0.0, verifier={"termination": "policy_error", "error": "capture failed"})
+        policy.close()
+        return lost
+
+    lost = asyncio.run(main())
+    assert lost.infra_failed and not any(lost.loss_mask)
+    assert len(lost.turn_starts) == 1 and lost.turn_starts[0] < len(lost.token_ids)  # the failed turn's start dropped
+    assert "generate call 2 failed" in lost.verifier["error"] and "capture failed" in lost.verifier["error"]
