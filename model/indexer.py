@@ -73,7 +73,9 @@ def causal_index_scores(
     """`index_scores_ref`'s values [B,S,G] fp32 without autograd (the picks take no gradient), computed
     per chunk of `chunk` queries over only the groups some query of the chunk sees: causality and
     document boundaries leave most of [S,G] invisible in a training row, and the [B,S,I,G] product of
-    the reference is then never built for it. The same einsums on slices: the same values (tested)."""
+    the reference is then never built for it. The same einsums on slices: the same masking and values
+    up to fp32 summation order (the CPU BLAS picks its kernel by matrix shape, and which shapes round
+    alike differs between CPUs; tested to 1e-5 relative)."""
     B, S, _, _ = q_BSID.shape
     G = k_BGD.size(1)
     score_BSG = torch.full((B, S, G), -torch.inf, dtype=torch.float32, device=q_BSID.device)
@@ -84,8 +86,9 @@ def causal_index_scores(
             if cols.numel() == 0:
                 continue
             g0, g1 = int(cols[0]), int(cols[-1]) + 1
-            # >= 16 groups wide: GEMMs this narrow round like the full-width one (the CPU BLAS takes
-            # another kernel below ~12 columns); the extra groups are masked anyway
+            # >= 16 groups wide: on common CPUs GEMMs this wide round like the full-width one (the BLAS
+            # takes another kernel below ~12 columns), so the values usually match bit for bit; the extra
+            # groups are masked anyway
             g1 = min(G, max(g1, g0 + MIN_SCORE_COLUMNS))
             g0 = max(0, min(g0, g1 - MIN_SCORE_COLUMNS))
             rows = slice(lo, lo + chunk)
