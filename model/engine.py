@@ -491,7 +491,6 @@ class InferenceEngine(SpeculativeDecoding):
         stop_when: Callable[[str], bool] | None = None,
         admit: Callable[[], Sequence[tuple[int, int | None]]] | None = None,
         on_finish: Callable[[int, Generation], None] | None = None,
-        continue_turn: bool = False,
     ) -> list[Generation]:
         """Generate up to `max_new_tokens` per session, all sessions advancing together.
 
@@ -507,9 +506,10 @@ class InferenceEngine(SpeculativeDecoding):
         in one forward, their first tokens sampled, and they decode in the same forward as the rest
         from the next step on, with this call's sampling and limits. `on_finish(session_id, gen)` is
         called as each session stops. Returns the Generations of `session_ids`, then of the joined
-        sessions in the order they joined. `continue_turn`: the sessions go on with a generation already
-        in progress (each lacks only its newest generated token), which a decode step feeds whatever the
-        prefill mode; otherwise a CED engine prefills what a call starts with, a replay segment of a turn.
+        sessions in the order they joined. Sessions that each lack only one token are fed by a decode
+        step, except on a CED engine where that token was given rather than generated: a CED engine
+        prefills what a turn starts with (its replay segment, which the learner's simulated replay
+        reproduces), while a session whose only unfed token it generated itself goes on with its turn.
         """
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
@@ -520,9 +520,12 @@ class InferenceEngine(SpeculativeDecoding):
         gens = self._generators(seed, len(sessions))
         outs = [self._new_generation(s) for s in sessions]
         active = [i for i, s in enumerate(sessions) if len(s.token_ids) < self.max_seq_len and max_new_tokens > 0]
-        # sessions that lack only their newest token (a continued generation) are fed by a decode step
-        by_decode = ((self.prefill_mode == "full" or continue_turn) and bool(active)
-                     and all(sessions[i].n_unfed == 1 for i in active))  # fmt: skip
+        # sessions that lack only their newest token are fed by a decode step; on a CED engine only when
+        # they generated it (a continued turn: no replay segment in mid-turn)
+        by_decode = bool(active) and all(
+            sessions[i].n_unfed == 1 and (self.prefill_mode == "full" or sessions[i].versions[-1] is not None)
+            for i in active
+        )
         if not by_decode:
             self._feed([sessions[i] for i in active])
         # decode: the sessions that go on are the rows of one RaggedBatch (one forward per step);

@@ -133,10 +133,9 @@ class SpeculativeDecoding:
             by_left.setdefault(max_new_tokens - len(outs[i].token_ids), []).append(i)
         for left, idx in by_left.items():
             seeds = [int(torch.randint(2**62, (1,), generator=gens[i], device=gens[i].device)) for i in idx]
-            # the turn goes on: decode steps, not a CED replay segment in mid-turn (which the learner's
-            # simulated replay, one segment per turn, would not reproduce)
-            rest = self.generate([session_ids[i] for i in idx], left, temperature, top_p, tuple(stops), (), seeds,
-                                 continue_turn=True)
+            # the turn goes on: each session lacks only a token it generated, which `generate` feeds with a
+            # decode step, not a CED replay segment in mid-turn (the learner's simulated replay has one per turn)
+            rest = self.generate([session_ids[i] for i in idx], left, temperature, top_p, tuple(stops), (), seeds)
             for i, g in zip(idx, rest):
                 out = outs[i]
                 out.token_ids += g.token_ids
