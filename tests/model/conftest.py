@@ -59,3 +59,19 @@ def models() -> dict[bool, Transformer]:
         out[qat] = Transformer(args, engram_hasher=EngramHasher(args, tok))
         out[qat].init_weights(seed=0, std=0.1)
     return out
+
+
+class SettableClock:
+    """A clock for the prefix cache's window-tier TTL that moves only when a test sets `now` (time is a
+    boundary we do not own)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> SettableClock:
+    return SettableClock()

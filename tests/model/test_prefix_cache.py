@@ -19,16 +19,6 @@ ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742)
 W = ARGS.window_size
 
 
-class Clock:
-    """A settable clock for the window pool's TTL (time is a boundary we do not own)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     m = Transformer(ARGS, engram_hasher=EngramHasher(ARGS, Tokenizer.default()))
@@ -50,8 +40,8 @@ def _cold(model, prompt):
     return _generate(InferenceEngine(model, prefill_mode="ced"), prompt)[1]
 
 
-def test_warm_window_pool_equals_cold_prefill(model):
-    pc = PrefixCache(clock=Clock())
+def test_warm_window_pool_equals_cold_prefill(model, clock):
+    pc = PrefixCache(clock=clock)
     prefix, rest = _ids(2 * W + 5, 1), _ids(7, 2)
     first = InferenceEngine(model, prefill_mode="ced", prefix_cache=pc)
     first.prefill([first.start(prefix)])
@@ -66,8 +56,7 @@ def test_warm_window_pool_equals_cold_prefill(model):
 
 
 @pytest.mark.parametrize("prefix_len", [W - 3, 3 * W + 1])
-def test_expired_window_replays_the_encoder(model, prefix_len):
-    clock = Clock()
+def test_expired_window_replays_the_encoder(model, prefix_len, clock):
     pc = PrefixCache(clock=clock, window_ttl_s=10.0)
     prefix, rest = _ids(prefix_len, 3), _ids(9, 4)
     first = InferenceEngine(model, prefill_mode="ced", prefix_cache=pc)
@@ -94,8 +83,8 @@ def test_expired_window_replays_the_encoder(model, prefix_len):
     assert restored[E].compress_kv.size(1) == len(prefix) + len(rest) + len(g.token_ids) - 1
 
 
-def test_disk_tier_round_trip_and_fresh_process(model, tmp_path):
-    pc = PrefixCache(tmp_path, clock=Clock())
+def test_disk_tier_round_trip_and_fresh_process(model, tmp_path, clock):
+    pc = PrefixCache(tmp_path, clock=clock)
     prefix = _ids(2 * W + 3, 5)
     eng = InferenceEngine(model, prefill_mode="ced", prefix_cache=pc)
     sid = eng.start(prefix)
@@ -123,7 +112,7 @@ def test_prefix_cache_needs_ced_and_packed_needs_qat(model):
     InferenceEngine(no_qat, prefill_mode="ced", prefix_cache=PrefixCache(packed=False))
 
 
-def test_hits_change_no_token_or_logprob(model):
+def test_hits_change_no_token_or_logprob(model, clock):
     """The rollout's two uses of the prefix cache against an engine without one doing the same feeds:
     G samples of one prompt (a head session prefills the prompt but its last token once; each sample
     starts on the whole prompt, restores that state warm and feeds one token), and a later turn of an
@@ -134,7 +123,7 @@ def test_hits_change_no_token_or_logprob(model):
     G, n_new = 4, 6
     prompt, turn = _ids(2 * W + 5, 11), _ids(5, 12)
     kw = dict(temperature=1.0, stop_ids=(), seed=[31 + g for g in range(G)])
-    pc = PrefixCache(clock=Clock())
+    pc = PrefixCache(clock=clock)
     hot = InferenceEngine(model, prefill_mode="ced", prefix_cache=pc, max_sessions=2 * G + 2)
     cold = InferenceEngine(model, prefill_mode="ced", max_sessions=2 * G + 2)
 

@@ -23,16 +23,6 @@ ARGS = get_flavor("debug", vocab_size=4096, engram_compressed_vocab_size=2742)
 W = ARGS.window_size
 
 
-class Clock:
-    """A settable clock for the window pool's TTL."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     assert ARGS.qat
@@ -45,9 +35,9 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(32, ARGS.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engines(model, clock: Clock | None = None, **kw) -> dict[str, InferenceEngine]:
+def _engines(model, clock, **kw) -> dict[str, InferenceEngine]:
     """packed + prefix cache (under test), packed without it, dense with it: one PrefixCache each."""
-    pc = lambda: PrefixCache(clock=clock or Clock(), window_ttl_s=10.0)  # noqa: E731
+    pc = lambda: PrefixCache(clock=clock, window_ttl_s=10.0)  # noqa: E731
     return {
         "packed+prefix": InferenceEngine(model, prefill_mode="ced", packed_cache=True, prefix_cache=pc(), **kw),
         "packed": InferenceEngine(model, prefill_mode="ced", packed_cache=True, **kw),
@@ -63,7 +53,7 @@ def _same(runs: dict[str, list]) -> None:
 
 
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, top_p=0.9)], ids=["greedy", "seeded"])
-def test_group_and_later_turns_equal_packed_without_prefix_and_dense(model, sampling):
+def test_group_and_later_turns_equal_packed_without_prefix_and_dense(model, sampling, clock):
     """The rollout's uses: a group's head session prefills the prompt but its last token, G samples
     start on the whole prompt (warm hits: one token fed each) and decode; one sample then takes two
     observations (`extend`), each followed by a turn on its own cache. Last, a turn restarted as a
@@ -71,7 +61,7 @@ def test_group_and_later_turns_equal_packed_without_prefix_and_dense(model, samp
     (against the dense engine doing the same: the engine without a cache would feed other shapes)."""
     G, n_new = 3, 4
     prompt, obs = _ids(W + 5, 1), [_ids(5, 2), _ids(3, 3)]
-    engines = _engines(model, max_sessions=2 * G + 2)
+    engines = _engines(model, clock, max_sessions=2 * G + 2)
     runs: dict[str, list] = {}
     restarts: dict[str, list] = {}
     for name, eng in engines.items():
@@ -104,10 +94,9 @@ def test_group_and_later_turns_equal_packed_without_prefix_and_dense(model, samp
 
 
 @pytest.mark.parametrize("prefix_len", [W - 3, 2 * W + 3])
-def test_expired_window_replays_the_encoder_on_packed_caches(model, prefix_len):
+def test_expired_window_replays_the_encoder_on_packed_caches(model, prefix_len, clock):
     """A global hit with a window miss: encoder bounded replay over the restored packed banks (read,
     never rewritten) equals the dense engine's replay; up to a window it also equals no prefix cache."""
-    clock = Clock()
     prefix, rest = _ids(prefix_len, 3), _ids(7, 4)
     engines = _engines(model, clock)
     for eng in engines.values():  # every engine prefills the prefix first (stored by those with a cache)
