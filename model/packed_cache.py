@@ -55,12 +55,9 @@ def bytes_per_token(args: ModelArgs) -> float:
 def _ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     """Power-of-two fp32 scales -> their biased exponents as uint8 (the fp32 exponent field)."""
     bits = scale.float().contiguous().view(torch.int32)
-    # The quantisers make every scale a power of two by construction; the check reads values back to the
-    # host, which on a GPU stalls the stream on every cache write and invalidates a CUDA graph capture of
-    # the decode step (packed live caches write here inside the graph), so it runs on CPU tensors only
-    # (the tests' path through the same quantisers).
-    if bits.device.type == "cpu" and (bool(((bits & 0x7FFFFF) != 0).any()) or bool((bits <= 0).any())):
-        raise ValueError("UE8M0 scales must be positive normal powers of two")
+    # No check of the scales here: the quantisers make each one a power of two by construction (the
+    # pack/unpack round-trip tests would see a lost mantissa bit), and reading them back to the host would
+    # stall the stream on every cache write and break the CUDA graph capture of a packed decode step.
     return ((bits >> 23) & 0xFF).to(torch.uint8)
 
 

@@ -67,17 +67,16 @@ def build_engine(policy, template, rollout: RolloutConfig, device: torch.device,
     from model.prefix_cache import PrefixCache
     from model.speculative import SpeculativeConfig
 
-    # packed bytes are exact only on the QAT grid: without QAT the prefix tier's banks and the live caches
-    # stay dense (rollout.packed_cache is then off; rl_loop.rollout_stats reports what ran)
+    # packed bytes are exact only on the QAT grid: without QAT the prefix tier's banks stay dense too
     prefix = PrefixCache(packed=policy.args.qat) if rollout.prefix_cache else None
-    packed = rollout.packed_cache and policy.args.qat
     spec = SpeculativeConfig(min_speedup=rollout.spec_min_speedup) if rollout.speculative else None
     if spec is not None and policy.args.dspark_block_size <= 0:
         raise ValueError("rollout.speculative=true needs a model with a DSpark drafter (dspark_block_size > 0): "
                          "set rollout.speculative=false for this model")
     return InferenceEngine(policy.to(device), template, max_sessions=4096, device=device,
                            prefill_mode=rollout.prefill_mode, prefix_cache=prefix, speculative=spec,
-                           packed_cache=packed, record_routing=record_routing)  # fmt: skip
+                           packed_cache=rollout.live_packed(policy.args.qat),
+                           record_routing=record_routing)  # fmt: skip
 
 
 def _drafter_changed(engine, weights: dict[str, torch.Tensor]) -> bool:

@@ -214,8 +214,7 @@ class RolloutConfig:
     # episode's later turns continue its own session's cache); emptied at each weight load;
     prefix_cache: bool = True
     # packed_cache: live sessions hold their caches as packed bytes (FP8 windows, FP4/MXFP4 banks), which
-    # the prefix cache stores and restores as they are; lossless only on the QAT grid, so a model with
-    # qat off keeps dense caches whatever this says (rl/actors.py build_engine);
+    # the prefix cache stores and restores as they are; lossless only on the QAT grid (`live_packed`);
     packed_cache: bool = True
     # speculative: DSpark speculative decoding (engine.generate_speculative), the draft length scheduled
     # by the measured cost model, switched off per session while it measures a loss;
@@ -224,6 +223,11 @@ class RolloutConfig:
     # "engine": episodes call the worker's engine in-process; "server": the worker serves its engine with
     # flashpost-serve on loopback and the episodes reach it only through the OpenAI API (rl/serve_rollout.py)
     agent: str = "engine"
+
+    def live_packed(self, qat: bool) -> bool:
+        """Whether the engine's live caches are packed: packed bytes are exact only on the QAT grid, so a
+        model with qat off keeps dense caches whatever rollout.packed_cache says."""
+        return self.packed_cache and qat
 
     def __post_init__(self) -> None:
         _require(self.agent, ("engine", "server"), "rollout.agent")

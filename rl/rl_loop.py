@@ -84,9 +84,9 @@ def rollout_stats(trajs: list[Trajectory], job: JobConfig) -> dict[str, float]:
     fraction of decode steps that drafted and of turns that ran plain because speculation could not win
     (`dspark_rollout_off_frac`: the engine's cost model switched it off for that generate call)."""
     r = job.rollout
-    packed = r.packed_cache and job.model.build_args().qat  # as rl/actors.py build_engine: dense with qat off
     out = {"feature_ced": float(r.prefill_mode == "ced"), "feature_prefix_cache": float(r.prefix_cache),
-           "feature_packed_cache": float(packed), "feature_speculative": float(r.speculative),
+           "feature_packed_cache": float(r.live_packed(job.model.build_args().qat)),
+           "feature_speculative": float(r.speculative),
            "feature_simulate_replay": float(bool(job.trainer.simulate_replay)),
            "feature_routing_replay": float(job.trainer.routing_replay)}  # fmt: skip
     started = [t for t in trajs if t.rollout_stats]

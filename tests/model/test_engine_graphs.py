@@ -26,11 +26,12 @@ LENGTHS = (1, 4, 9, 16, 17, 30)
 ATOL = 1e-4
 
 
-def _run(graphs: bool, temperature: float, stop_ids=(), compiled: bool = False) -> tuple[list, InferenceEngine]:
-    model = Transformer(ARGS)
+def _run(graphs: bool, temperature: float, stop_ids=(), compiled: bool = False, qat: bool = False,
+         packed: bool = False) -> tuple[list, InferenceEngine]:  # fmt: skip
+    model = Transformer(dataclasses.replace(ARGS, qat=qat))
     model.init_weights(seed=0, std=0.1)
     engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()), device="cuda", cuda_graphs=graphs,
-                             compile_decode=compiled)  # fmt: skip
+                             compile_decode=compiled, packed_cache=packed)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     sids = [engine.start(torch.randint(32, ARGS.vocab_size, (n,), generator=g).tolist()) for n in LENGTHS]
     first = engine.generate(sids, 12, temperature=temperature, stop_ids=stop_ids, seed=3)
@@ -59,26 +60,13 @@ def test_graph_decode_equals_eager(temperature, compiled):
         torch.testing.assert_close(torch.tensor(lps_g), torch.tensor(lps_e), atol=ATOL, rtol=0)
 
 
-def _run_qat(packed: bool, temperature: float) -> list:
-    model = Transformer(dataclasses.replace(ARGS, qat=True))
-    model.init_weights(seed=0, std=0.1)
-    engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()), device="cuda", cuda_graphs=True,
-                             packed_cache=packed)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    sids = [engine.start(torch.randint(32, ARGS.vocab_size, (n,), generator=g).tolist()) for n in LENGTHS]
-    out = engine.generate(sids, 12, temperature=temperature, seed=3)
-    out += engine.generate(sids[1:], 6, temperature=temperature, seed=4)
-    assert engine.graphs.captures >= 1, "the decode steps did not run on CUDA graphs"
-    return [(o.token_ids, o.logprobs) for o in out]
-
-
 # packed live caches (the rollout default) under CUDA graphs: the same graph batches as dense QAT caches,
 # whose values sit on the fake-quant grid that packing stores exactly (model/packed_cache.py), so the two
 # runs compute the same numbers; the tolerance only allows the sparse-attention kernel's packed read
 # (it decodes the picked rows in registers) to sum in another order
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_packed_graph_decode_equals_dense(temperature):
-    dense, packed = _run_qat(False, temperature), _run_qat(True, temperature)
+    (dense, _), (packed, _) = (_run(True, temperature, qat=True, packed=p) for p in (False, True))
     for (toks_d, lps_d), (toks_p, lps_p) in zip(dense, packed):
         assert toks_p == toks_d
         torch.testing.assert_close(torch.tensor(lps_p), torch.tensor(lps_d), atol=ATOL, rtol=0)
