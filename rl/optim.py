@@ -1,14 +1,21 @@
 """Optimisers by parameter family (DESIGN.md §3): explicit name rules on official tensor names assign
 every trainable parameter to exactly one family, and one torch Optimizer facade steps all of them.
 
-- "muon": 2-D hidden weights. DeepSpeed's `muon_update` (momentum + Newton-Schulz, with its per-head
-  mode for Q-style projections: `attn.wq_b` per attention head, `indexer.wq_b` per indexer head).
+- "muon": 2-D hidden weights. The update of DeepSpeed's `muon_update` (Nesterov momentum, Newton-Schulz
+  in `ns_compute_dtype`, its aspect-ratio scale, its per-head mode for Q-style projections: `attn.wq_b`
+  per attention head, `indexer.wq_b` per indexer head), batched: every matrix (or head block) of one
+  shape goes through one stacked Newton-Schulz run (`muon_bucket_update`) instead of one call per
+  matrix, whose per-call costs dominated the step on CPU and launch-bound it on a GPU (an MoE layer's
+  experts share a shape). tests/rl/test_optim_batched.py holds it equal to DeepSpeed's per-matrix one.
 - "sinkhorn": embedding, output head and Engram tables. Momentum, then the touched rows' update is
   Sinkhorn-balanced (alternate row/column RMS normalisation, SinkGD: arXiv 2502.06742); only rows
   with a gradient move, and Engram's sparse COO gradients are consumed as such.
-- "adamw": norms, biases, scalars, hc_* mixes, attn_sink, Engram gains (DeepSpeed's `adam_update`).
+- "adamw": norms, biases, scalars, hc_* mixes, attn_sink, Engram gains (DeepSpeed's `adam_update`,
+  written with torch._foreach_* ops over all the family's tensors at once).
 
 One facade instead of three optimisers because a DeepSpeed engine drives a single client optimizer.
+State stays per parameter (`momentum_buffer`; `exp_avg`, `exp_avg_sq`, `step`) whatever the batching, so
+checkpoints keep one layout.
 
 Under ZeRO 1/2 (`build_zero_optimizer`) parameters live in flat partitions, so per-tensor families
 cannot run inside the optimizer: DeepSpeed's own `MuonWithAuxAdam` takes over, whose ZeRO path
@@ -23,6 +30,7 @@ resumed with the optimiser state. Not here: the engine (rl/learner.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -106,6 +114,70 @@ def lr_factor(cfg: OptimConfig, step: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# DeepSpeed's quintic Newton-Schulz coefficients (original_muon.py, after Keller Jordan's Muon)
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# the Gram iteration restarts from X at this step, to bound its half-precision error (DeepSpeed's rule)
+NS_GRAM_RESTART = 2
+
+
+def newton_schulz(G: torch.Tensor, steps: int, method: str) -> torch.Tensor:
+    """DeepSpeed's `zeropower_via_newtonschulz5` ("standard") / `zeropower_via_gram_newtonschulz` ("gram")
+    over a stack G [N, r, c] of matrices, each normalised by its own Frobenius norm. The same iterates in
+    the same dtype (`ns_compute_dtype`); each `b·A + c·A@A` and `a·X + B@X` is one baddbmm (one rounding
+    instead of three, and no extra pass over the stack). Returns [N, r, c] in the compute dtype."""
+    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+
+    a, b, c = NS_COEFFS
+    dtype = ns_compute_dtype(method)
+    tall = G.size(-2) > G.size(-1)
+    if method == "gram":  # normalise before the cast: fp16 would overflow on a large fp32 gradient
+        X = G.to(torch.float32 if G.dtype == torch.float16 else G.dtype)
+        X = X.mT if tall else X
+        X = (X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    else:
+        X = G.to(dtype)
+        X = X.mT if tall else X
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    if method == "standard" or X.size(-1) <= X.size(-2):  # square: the Gram form saves nothing
+        for _ in range(steps):
+            A = X @ X.mT
+            X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        return X.mT if tall else X
+    # Gram form: iterate on the small square R = X Xᵀ and accumulate the polynomial Q, X_k = Q X
+    R, Q = X @ X.mT, None
+    for i in range(steps):
+        if i == NS_GRAM_RESTART:
+            X, Q = Q @ X, None
+            R = X @ X.mT
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = torch.baddbmm(Q, Z, Q, beta=a)
+        if i < steps - 1 and i + 1 != NS_GRAM_RESTART:
+            RZ = torch.baddbmm(R, Z, R, beta=a)
+            R = torch.baddbmm(RZ, Z, RZ, beta=a)
+    return X.mT @ Q.mT if tall else Q @ X
+
+
+def muon_bucket_update(
+    G: torch.Tensor, M: torch.Tensor, finite: torch.Tensor, beta: float, steps: int, method: str, per_head: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSpeed's `muon_update` (nesterov) over a stack of same-shape blocks G, M [N, r, c] (whole matrices,
+    or with `per_head` the heads' row blocks of per-head projections): -> (new momentum, update), both
+    [N, r, c] in G's dtype. `finite` [N] says whether the block's PARAMETER had a finite gradient: where not,
+    the momentum is kept, and a whole matrix's update is the (non-finite) Nesterov blend; DeepSpeed's
+    per-head path returns the orthogonalised blend either way, and so does this. G is consumed."""
+    ok = finite[:, None, None]
+    M = torch.where(ok, M.lerp(G, 1 - beta), M)
+    U = G.lerp_(M, beta)
+    rows, cols = U.shape[-2:]
+    scale = math.sqrt(rows / cols) if rows > cols else 1.0  # DeepSpeed's _aspect_ratio_scale of the block
+    X = (newton_schulz(U, steps, method) * scale).to(U.dtype)
+    return M, X if per_head else torch.where(ok, X, U)
+
+
 class FamilyOptimizer(torch.optim.Optimizer):
     """One param group per family (keys: family, names, num_heads per param, lr, ...)."""
 
@@ -139,29 +211,48 @@ class FamilyOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group["schedule_step"] += 1
             group["lr"] = group["base_lr"] * lr_factor(self.cfg, group["schedule_step"])
-            update = {"muon": self._muon, "sinkhorn": self._sinkhorn, "adamw": self._adamw}[group["family"]]
-            for p, heads in zip(group["params"], group["num_heads"]):
-                if p.grad is not None:
-                    update(p, group, heads)
+            if group["family"] == "muon":
+                self._muon(group)
+            elif group["family"] == "adamw":
+                self._adamw(group)
+            else:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._sinkhorn(p, group)
         return loss
 
-    def _muon(self, p: torch.Tensor, group: dict, heads: int | None) -> None:
-        from deepspeed.runtime.zero.muon.original_muon import muon_update
+    def _muon(self, group: dict) -> None:
+        """Every Muon matrix with a gradient, bucketed by block shape (rows per head when per-head), one
+        `muon_bucket_update` per bucket; momentum stays one buffer per parameter."""
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for p, heads in zip(group["params"], group["num_heads"]):
+            if p.grad is None:
+                continue
+            rows, cols = p.shape
+            if heads is not None and (heads < 1 or rows % heads):
+                raise ValueError(f"per-head Muon needs rows {rows} to split evenly across num_heads={heads}")
+            n_blocks = heads or 1
+            key = (rows // n_blocks, cols, n_blocks, heads is not None, p.grad.dtype, p.device)
+            buckets.setdefault(key, []).append(p)
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        for (rows, cols, n_blocks, per_head, _, device), params in buckets.items():
+            # torch.compile costs seconds per shape on CPU; eager there (and when asked)
+            eager = device.type == "cpu" or not self.cfg.compile_muon
+            update = muon_bucket_update if eager else _compiled_muon_bucket_update()
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            G = torch.cat([p.grad.reshape(-1, rows, cols) for p in params])  # a copy: .grad stays as it was
+            M = torch.cat([b.reshape(-1, rows, cols) for b in bufs])
+            # DeepSpeed's finiteness guard is per parameter: a head block follows its whole matrix
+            finite = torch.isfinite(G).flatten(1).all(1).view(-1, n_blocks).all(1).repeat_interleave(n_blocks)
+            M, U = update(G, M, finite, self.cfg.momentum, self.cfg.ns_steps, self.cfg.ns_method, per_head)
+            torch._foreach_copy_(bufs, [m.view_as(b) for m, b in zip(M.split(n_blocks), bufs)])
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            updates = [u.view_as(p).to(p.dtype) for u, p in zip(U.split(n_blocks), params)]
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
 
-        state = self.state[p]
-        if not state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        # torch.compile of muon_update costs seconds per shape on CPU; eager there (and when asked).
-        stance = "force_eager" if p.device.type == "cpu" or not self.cfg.compile_muon else "default"
-        with torch.compiler.set_stance(stance):
-            u = muon_update(
-                p.grad.clone(), state["momentum_buffer"], beta=self.cfg.momentum, ns_steps=self.cfg.ns_steps,
-                ns_method=self.cfg.ns_method, num_heads=heads,
-            )  # fmt: skip
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(u.reshape(p.shape).to(p.dtype), alpha=-group["lr"])
-
-    def _sinkhorn(self, p: torch.Tensor, group: dict, heads: int | None) -> None:
+    def _sinkhorn(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -181,17 +272,39 @@ class FamilyOptimizer(torch.optim.Optimizer):
         w = p[rows].mul_(1 - group["lr"] * group["weight_decay"]) - group["lr"] * u.to(p.dtype)
         p[rows] = w
 
-    def _adamw(self, p: torch.Tensor, group: dict, heads: int | None) -> None:
-        from deepspeed.runtime.zero.muon.original_muon import adam_update
+    def _adamw(self, group: dict) -> None:
+        """DeepSpeed's `adam_update` over all the family's tensors with a gradient, as foreach ops (one call
+        per op for all tensors), grouped by their step count (a tensor steps only when it has a gradient)."""
+        b1, b2, eps, lr = self.cfg.beta1, self.cfg.beta2, self.cfg.eps, group["lr"]
+        by_step: dict[int, list[torch.Tensor]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["exp_avg"], state["exp_avg_sq"], state["step"] = torch.zeros_like(p), torch.zeros_like(p), 0
+            state["step"] += 1
+            by_step.setdefault(state["step"], []).append(p)
+        for step, params in by_step.items():
+            grads = [p.grad for p in params]
+            m = [self.state[p]["exp_avg"] for p in params]
+            v = [self.state[p]["exp_avg_sq"] for p in params]
+            torch._foreach_lerp_(m, grads, 1 - b1)
+            torch._foreach_lerp_(v, torch._foreach_mul(grads, grads), 1 - b2)
+            denom = torch._foreach_div(v, 1 - b2**step)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            update = torch._foreach_div(m, 1 - b1**step)
+            torch._foreach_div_(update, denom)
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            torch._foreach_add_(params, update, alpha=-lr)
 
-        state = self.state[p]
-        if not state:
-            state["exp_avg"], state["exp_avg_sq"], state["step"] = torch.zeros_like(p), torch.zeros_like(p), 0
-        state["step"] += 1
-        betas = (self.cfg.beta1, self.cfg.beta2)
-        u = adam_update(p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], betas, self.cfg.eps)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(u, alpha=-group["lr"])
+
+@functools.cache
+def _compiled_muon_bucket_update():
+    """`muon_bucket_update` under torch.compile (`compile_muon` off the CPU), built on first use."""
+    return torch.compile(muon_bucket_update)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> FamilyOptimizer:
@@ -205,9 +318,11 @@ def build_zero_optimizer(model: nn.Module, cfg: OptimConfig):
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     if cfg.schedule != "constant":
-        raise ValueError(f"trainer.optim.schedule={cfg.schedule!r} is applied by FamilyOptimizer (trainer."
-                         "zero_stage=0); DeepSpeed's MuonWithAuxAdam under ZeRO 1/2 runs a constant lr: set "
-                         "trainer.optim.schedule=constant or trainer.zero_stage=0")
+        raise ValueError(
+            f"trainer.optim.schedule={cfg.schedule!r} is applied by FamilyOptimizer (trainer."
+            "zero_stage=0); DeepSpeed's MuonWithAuxAdam under ZeRO 1/2 runs a constant lr: set "
+            "trainer.optim.schedule=constant or trainer.zero_stage=0"
+        )
     sparse = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m.sparse]
     if sparse:
         raise ValueError(
