@@ -186,6 +186,8 @@ class Learner:
         }
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
+        # the backbone's and the DSpark drafter's (`mtp.*`) parameters, clipped apart (`_clip_by_family`)
+        self._clip_families = [[p for n, p in model.named_parameters() if n.startswith("mtp.") == d] for d in (0, 1)]
         self.device = next(model.parameters()).device
         self.step = 0
 
@@ -319,9 +321,16 @@ class Learner:
         batches, extras = self._pad_ranks(batches, extras, n_max)
         self.engine.train()
         totals: dict[str, float] = {"loss": 0.0, "indexer_loss": 0.0, "balance_loss": 0.0, "dspark_loss": 0.0}
+        # Device scalars are read after the loop (key, value, its micro-batch's tokens or None for a plain sum):
+        # on a GPU a read waits for all queued work, so one inside the loop would keep the host from queueing
+        # the next micro-batch until the last one finished. The denominator is read once, before any work.
+        pending: list[tuple[str, torch.Tensor, int | None]] = []
+        denom_value = float(denom)
         counts: list[torch.Tensor] = []
         for i, (mb, extra) in enumerate(zip(batches, extras)):
-            mb, real = mb.to(self.device), i < n_real
+            real = i < n_real
+            n_tok = mb.n_tokens if real else 0  # counted on the host batch, before it moves
+            mb = mb.to(self.device)
             self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
             out = self.forward(mb)
             # a filler's loss kind needs no teacher output; its weight 0 still reaches every parameter
@@ -333,8 +342,6 @@ class Learner:
                 if ds is None or self.cfg.dspark_weight == 0
                 else (ds.loss * self.cfg.dspark_weight / n_micro)
             )
-            if ds is not None:
-                metrics = {**metrics, "dspark_acceptance": float(ds.acceptance)}
             idx = indexer_term(out.indexer_loss, self.cfg.indexer_loss_weight) / n_micro
             bal, layer_counts = balance_terms(out.router_stats, self.cfg.balance_alpha, mb.doc_ids >= 0)
             bal = bal / n_micro
@@ -344,17 +351,19 @@ class Learner:
             counts = layer_counts if not counts else [a + b for a, b in zip(counts, layer_counts)]
             if not real:
                 continue
-            totals["loss"] += float(loss.detach())
-            totals["indexer_loss"] += float(idx.detach())
-            totals["balance_loss"] += float(bal.detach())
-            totals["dspark_loss"] += float(drafter.detach())
+            pending += [("loss", loss.detach(), None), ("indexer_loss", idx.detach(), None),
+                        ("balance_loss", bal.detach(), None), ("dspark_loss", drafter.detach(), None)]  # fmt: skip
+            if ds is not None:
+                pending.append(("dspark_acceptance", ds.acceptance.detach(), n_tok))
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v * mb.n_tokens / float(denom)
+                totals[k] = totals.get(k, 0.0) + v * n_tok / denom_value
+        for k, v, n in pending:
+            totals[k] = totals.get(k, 0.0) + (float(v) if n is None else float(v) * n / denom_value)
         if self.world_size > 1:  # by key: a rank whose micro-batches were all fillers has fewer metrics
             per_rank: list[dict[str, float]] = [{} for _ in range(self.world_size)]
             dist.all_gather_object(per_rank, totals)
             totals = {k: sum(r.get(k, 0.0) for r in per_rank) for k in sorted(set().union(*per_rank))}
-        totals["n_tokens"] = float(denom)
+        totals["n_tokens"] = denom_value
         return totals, counts
 
     def _backward(self, total: torch.Tensor) -> None:
@@ -378,14 +387,12 @@ class Learner:
         """Global-norm clipping to grad_clip, separately for the backbone and the DSpark drafter (`mtp.*`):
         one shared norm would let the drafter's gradient size scale the policy's update. Sparse (Engram)
         gradients count their stored values."""
-        families: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        for name, p in self.model.named_parameters():
-            if p.grad is not None:
-                families[name.startswith("mtp.")].append(p.grad)
-        for grads in families.values():
+        for params in self._clip_families:
+            grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
-            norms = [(g.coalesce().values() if g.is_sparse else g).float().norm() for g in grads]
+            values = [g.coalesce().values() if g.is_sparse else g for g in grads]
+            norms = torch._foreach_norm(values, dtype=torch.float32)  # one call for all, each as .float().norm()
             coef = self.cfg.grad_clip / (torch.stack(norms).norm() + 1e-6)
             if coef < 1:
                 for g in grads:
