@@ -16,6 +16,10 @@ JSON lines, one per configuration (threads x micro_batch_tokens x simulate_repla
       min), the forward / DSpark term / backward wall seconds of the first micro-batch (median, after
       the timed steps, no optimiser step), and the loss of the first timed step (the second update
       from the same seeded weights and batch: equal losses across trees say the semantics held).
+      Then the step's phases, each a median over --steps further updates, wall and CPU seconds (CPU /
+      threads): `grads` (Learner.accumulate_grads: every micro-batch's forward and backward, metrics),
+      `clip` (per-family gradient clipping), `optimizer` (the DeepSpeed engine's step: FamilyOptimizer
+      and the engine's bookkeeping); the fixed, per-update cost is clip + optimizer.
 """
 
 from __future__ import annotations
@@ -72,6 +76,24 @@ def _split(learner: Learner, mb) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, t3 - t2
 
 
+def _phases(learner: Learner, batches, threads: int) -> dict[str, tuple[float, float]]:
+    """{phase: (wall s, CPU s / threads)} of one update, phase by phase as Learner.train_step runs them."""
+    out = {}
+
+    def timed(name, fn, *args):
+        t, c = time.perf_counter(), time.process_time()
+        result = fn(*args)
+        out[name] = (time.perf_counter() - t, (time.process_time() - c) / threads)
+        return result
+
+    _, counts = timed("grads", learner.accumulate_grads, batches, "sft")
+    timed("clip", learner._clip_by_family)
+    timed("optimizer", learner.engine.step)
+    learner._update_expert_biases(counts)
+    learner.step += 1
+    return out
+
+
 def run(threads: int, micro_batch_tokens: int, replay: bool, steps: int) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -93,12 +115,18 @@ def run(threads: int, micro_batch_tokens: int, replay: bool, steps: int) -> dict
     med, med_cpu = statistics.median(times), statistics.median(cpu)
     splits = [_split(learner, batches[0]) for _ in range(steps)]
     fwd, ds, bwd = (statistics.median(s[i] for s in splits) for i in range(3))
+    phases = [_phases(learner, batches, threads) for _ in range(steps)]
+    phase_s = {
+        f"{name}_{kind}": round(statistics.median(p[name][i] for p in phases), 3)
+        for name in phases[0]
+        for i, kind in enumerate(("s", "cpu_s"))
+    }
     return {
         "kind": "step", "threads": threads, "micro_batch_tokens": micro_batch_tokens, "simulate_replay": replay,
         "micro_batches": len(batches), "tokens": n_tok, "tokens_per_s": round(n_tok / med, 1),
         "tokens_per_cpu_s": round(n_tok / med_cpu, 1), "step_s": round(med, 3), "step_s_min": round(min(times), 3),
         "step_cpu_s": round(med_cpu, 3), "forward_s": round(fwd, 3),
-        "dspark_s": round(ds, 3), "backward_s": round(bwd, 3), "loss": loss,
+        "dspark_s": round(ds, 3), "backward_s": round(bwd, 3), **phase_s, "loss": loss,
         "tree": str(Path(model.__file__).resolve().parents[1]), "torch": torch.__version__,
     }  # fmt: skip
 
