@@ -5,7 +5,7 @@ Measures, on family-A tasks of synth/families.py in their image:
 - `tokens`: the system turn with the tool schemas, the task statement, and each tool call and its
   observation in the chat template's wire format (model/chat_template.py, the default tokenizer);
 - `tool_call`: wall time per tool (run_tests through tests/check.py, edit on a line, submit);
-- `episodes`: scripted episodes (run_tests -> edit -> run_tests -> submit) per second, either each in a
+- `episodes`: scripted episodes (view -> edit -> run_tests -> submit) per second, either each in a
   fresh sandbox (what RL and evaluation episodes get, envs/pool.py SandboxPool) or in warm sandboxes
   reset between episodes (the demonstration replay, synth.taskset_sources.WarmSandboxes), with
   `--concurrency` at once; grading is not included (envs/batch_grading.py and bench/grading.py measure it).

@@ -30,8 +30,9 @@ class DemoConfig:
     families_heldout: int = 12  # held-out tasks of each family (the evaluations' A and B rows)
     # each training job's steps (its trainer.max_steps) and each evaluation's episodes per held-out task
     # (pass@1 is their mean; pass@k uses k = eval_samples; more than 1 needs a sampling temperature in
-    # `eval`, whose greedy episodes are all alike)
-    sft_steps: int = 60
+    # `eval`, whose greedy episodes are all alike). SFT needs ~100 steps of 6 before the edit's arguments
+    # follow the task (the line from the statement, the text from the viewed line; 60 left them constant)
+    sft_steps: int = 150
     rl_steps: int = 8
     student_sft_steps: int = 20
     opd_steps: int = 4
@@ -39,8 +40,8 @@ class DemoConfig:
     # Overrides of every training and evaluation job: the policy (conf/model/) and the rollout engine's
     # inference path. CED prefill with bounded decoder replay in rollouts, its simulation in training.
     # A family episode's longest call (edit) is 38-44 tokens: 48 new tokens a turn leave room, and an untrained
-    # policy's babble ends sooner; 5 turns hold tests -> view -> edit -> tests -> submit (an episode that ends
-    # at the turn limit is graded too, so a second edit in turn 5 still counts).
+    # policy's babble ends sooner; 5 turns hold view -> edit -> tests -> submit, or view -> a failed edit ->
+    # tests -> a second edit -> tests (an episode that ends at the turn limit is graded too).
     jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=5",
                             "++rollout.max_new_tokens=48")
     # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x

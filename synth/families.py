@@ -5,9 +5,10 @@ assert tests, in the style of synth/sample_repo) with its identifiers renamed at
 injected by a synth/mutations.py operator. Templates are split into family A (has demonstrations: the gold
 edit) and family B (tests only), each with train and held-out instances (held-out instances are
 fresh draws, never equal to a train instance). The task statement (`Instance.statement`) names the
-function and says what is wrong in words above its numbered source; the agent runs the tests
-(tests/check.py, envs/check_runner.py: the first failing assert and the value it got) to find the
-line. The fix is ` <line>|<old>=><new>`: replace the first occurrence of `old` on that line, the
+function, its file and the line, and says what is wrong there in words; the agent views the line, edits
+it and runs the tests (tests/check.py, envs/check_runner.py: the first failing assert and the value it
+got) to see whether its edit was the right one. The fix is ` <line>|<old>=><new>`: replace the first
+occurrence of `old` on that line, the
 edit tool's {"line", "old_str", "new_str"} call (DEMO_NOTES: ~8-byte edits are what a tiny policy
 learns); `wrong_edits` gives plausible failed first edits and their corrections for demonstrations.
 `Instance.prompt` (source plus first failing assert) is the single-turn form.
@@ -47,7 +48,10 @@ BUG_KINDS = (
     "inverted_condition",
     "off_by_one",
 )
-# The task statement says what is wrong in words (the agent runs the tests to see which value is wrong).
+# The task statement says what is wrong in words, on which line (an issue that points at the code, as
+# reviewers' reports do): what the agent learns is a skill that carries over to templates it never saw
+# fixed (family B), not which line of which template is buggy; which replacement is right it finds by
+# editing and running the tests.
 BUG_WORDS = {
     "comparison_flip": "a comparison is wrong",
     "arithmetic_swap": "an arithmetic operator is wrong",
@@ -145,10 +149,15 @@ class Instance:
     file: str = ""
 
     @property
+    def line(self) -> int:
+        """The line of the file that holds the bug (1-based; the gold edit's line)."""
+        return self.offset + int(self.action.split("|", 1)[0])
+
+    @property
     def statement(self) -> str:
-        """The multi-turn task: the function, its file and what is wrong in words; the source and the
-        failing test are for the agent to see (`view`, `run_tests`)."""
-        return f"Fix `{self.func}` ({module_path(self)}): {BUG_WORDS[self.kind]}."
+        """The multi-turn task: the function, its file, the line and what is wrong there in words; the
+        line's text and the test results are for the agent to see (`view`, `run_tests`)."""
+        return f"Fix `{self.func}` ({module_path(self)}): on line {self.line}, {BUG_WORDS[self.kind]}."
 
     @property
     def prompt(self) -> str:
@@ -209,8 +218,43 @@ def apply_action(source: str, text: str) -> str | None:
     return None
 
 
+def _run_class(ch: str) -> str | None:
+    """What a BPE token of code runs over: a word, an operator, or neither (a bracket, a space)."""
+    return "word" if ch.isalnum() or ch == "_" else "op" if ch in "<>=!+-*/%&|^~" else None
+
+
+def _token_edit(b: str, c: str, p: int, s: int) -> tuple[str, str] | None:
+    """(old, new) of the change between line b and line c (common prefix p, common suffix s) widened to
+    whole tokens as the tokenizer cuts code: each end extended over the word or operator it cuts into, the
+    space in front kept (`" !="` -> `" =="`, `" 2"` -> `" 1"`, `" and"` -> `" or"`), and an insertion
+    anchored on the token after it. old_str is then the very tokens of the viewed line, which a small policy
+    copies far sooner than a fragment such as `"!"` -> `"="` whose tokens appear nowhere in the source."""
+    lo, eb, ec = p, len(b) - s, len(c) - s
+    if eb == lo or ec == lo:  # an insertion or a deletion: slide it left over the space it ends with
+        while lo > 0 and b[lo - 1] == " " and (b[lo:eb] or c[lo:ec]).endswith(" "):
+            lo, eb, ec = lo - 1, eb - 1, ec - 1
+    region = b[lo:eb] or c[lo:ec]
+    while lo > 0 and _run_class(b[lo - 1]) is not None and _run_class(b[lo - 1]) == _run_class(region[0]):
+        lo -= 1
+    last = (b[lo:eb] or c[lo:ec])[-1]
+    while eb < len(b) and _run_class(b[eb]) is not None and _run_class(b[eb]) == _run_class(last):
+        eb, ec = eb + 1, ec + 1
+    if lo > 0 and b[lo - 1] == " " and not b[lo:eb].startswith(" ") and not c[lo:ec].startswith(" "):
+        lo -= 1
+    if not b[lo:eb].strip():  # nothing of the line to replace: take the next token along
+        while eb < len(b) and b[eb] == " ":
+            eb, ec = eb + 1, ec + 1
+        kind = _run_class(b[eb]) if eb < len(b) else None
+        if kind is None:
+            return None
+        while eb < len(b) and _run_class(b[eb]) == kind:
+            eb, ec = eb + 1, ec + 1
+    return b[lo:eb], c[lo:ec]
+
+
 def gold_action(buggy: str, correct: str) -> str | None:
-    """The shortest edit (unique `old`, at least one char) that turns buggy into correct, or None."""
+    """The edit that turns buggy into correct, or None: `_token_edit`'s whole tokens when that edit is
+    right (its `old` first occurs where the change is), else the shortest (at least one char) that is."""
     b_lines, c_lines = buggy.splitlines(keepends=True), correct.splitlines(keepends=True)
     if len(b_lines) != len(c_lines):
         return None
@@ -235,10 +279,15 @@ def gold_action(buggy: str, correct: str) -> str | None:
     ):
         s -= 1
     want = ast.dump(ast.parse(correct))
-    if "not (" in b:  # an inserted `not (...)`: dropping "not " is the short, AST-equal fix
-        action = f" {i + 1}|not (=>("
+    # an inserted `not (...)`: dropping "not" is the short, AST-equal fix
+    candidates = [(" not (", " (")] if " not (" in b else []
+    candidates.append(_token_edit(b, c, p, s))
+    for old_new in candidates:
+        if old_new is None:
+            continue
+        action = f" {i + 1}|{old_new[0]}=>{old_new[1]}"
         fixed = apply_action(buggy, action)
-        if fixed is not None and _same_code(fixed, want):
+        if split_action(buggy, action) == (i + 1, *old_new) and fixed is not None and _same_code(fixed, want):
             return action
     for extra in range(len(b) + 1):  # shortest first; at equal length, more context on the left
         for left in range(min(extra, p), -1, -1):
@@ -454,8 +503,8 @@ def demo_splits(n_train_a: int, n_train_b: int, n_heldout: int, seed: int = 0) -
 MODULE_DIR = "fam"
 IMAGE_REPO = "flashpost/demo-family"
 # The tools a family task offers (the system turn carries only their signatures). The statement names the
-# file without its source: the agent views it, so the numbered source sits right before the edit that copies
-# from it (the demo policy's sliding window is 64 tokens; the statement is ~150 tokens further back)
+# file and line without its text: the agent views that line, so what the edit copies (its number and the
+# text to replace) sits in the few tokens right before it, inside the demo policy's 64-token sliding window
 FAMILY_TOOLS = ("view", "edit", "run_tests", "submit")
 
 

@@ -50,16 +50,16 @@ def _script(task, patch: str) -> list[dict[str, Any]]:
 
 
 def family_script(inst, wrong: tuple[str, str] | None = None) -> list[dict[str, Any]]:
-    """A family episode as terse tool calls (no prose: every assistant token is decode and loss): run the
-    tests, view the file, edit, read the result, submit; with `wrong` (synth.families.wrong_edits), a
+    """A family episode as terse tool calls (no prose: every assistant token is decode and loss): view the
+    line the statement names, edit it, run the tests, submit; with `wrong` (synth.families.wrong_edits), a
     failed first edit, its test result and the correcting edit before the final check."""
     from synth.families import apply_action, split_action
 
     def edit(source: str, action: str) -> dict[str, Any]:
         line, old, new = split_action(source, action)
-        return _call("edit", {"line": line, "old_str": old, "new_str": new})
+        return _call("edit", {"line": inst.offset + line, "old_str": old, "new_str": new})
 
-    calls = [_call("run_tests"), _call("view")]
+    calls = [_call("view", {"view_range": [inst.line, inst.line]})]
     if wrong is None:
         calls.append(edit(inst.buggy, inst.action))
     else:

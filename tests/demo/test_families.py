@@ -86,8 +86,12 @@ def test_gold_action_and_parsing():
     assert apply_action(buggy, " 2|zzz=>y") is None  # old not on the line
     assert apply_action(buggy, "2 <= b") is None  # no separator
     assert gold_action(buggy, buggy) is None
-    # "True=>False", never a cut word such as "Tru=>Fals"
-    assert gold_action("def f():\n    return True\n", "def f():\n    return False\n") == " 2|True=>False"
+    # whole tokens with their space, as the line tokenizes: " True=> False", never a cut word ("Tru=>Fals")
+    assert gold_action("def f():\n    return True\n", "def f():\n    return False\n") == " 2| True=> False"
+    # an operator whole (" !=", not "!" -> "="); a missing `not` anchored on the token after it
+    assert gold_action("def f(a, b):\n    return a != b\n", "def f(a, b):\n    return a == b\n") == " 2| !==> =="
+    assert gold_action("def f(a):\n    if a:\n        return 1\n",
+                       "def f(a):\n    if not a:\n        return 1\n") == " 2| a=> not a"  # fmt: skip
 
 
 def test_renaming_is_random_and_test_file_imports_the_renamed_function():

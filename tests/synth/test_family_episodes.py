@@ -39,9 +39,13 @@ def _check(tmp_path: Path, inst, source: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
-def test_the_statement_says_what_is_wrong_in_words_not_the_source_nor_the_failing_assert(train_a):
+def test_the_statement_names_the_line_and_says_what_is_wrong_in_words_not_the_source_nor_the_failing_assert(
+    train_a,
+):
     for inst in train_a:
-        assert inst.statement == f"Fix `{inst.func}` (fam/{inst.iid}.py): {BUG_WORDS[inst.kind]}."
+        line, old, _ = split_action(inst.buggy, inst.action)
+        assert inst.line == line and old in inst.buggy.splitlines()[line - 1]
+        assert inst.statement == f"Fix `{inst.func}` (fam/{inst.iid}.py): on line {line}, {BUG_WORDS[inst.kind]}."
 
 
 def test_the_quick_runner_reports_the_first_failure_with_its_value(tmp_path, train_a):
@@ -79,14 +83,14 @@ def test_family_scripts_are_terse_tool_calls(train_a):
 
     inst = next(i for i in train_a if wrong_edits(i))
     gold = family_script(inst)
-    assert [m["tool_calls"][0]["name"] for m in gold] == ["run_tests", "view", "edit", "run_tests", "submit"]
+    assert [m["tool_calls"][0]["name"] for m in gold] == ["view", "edit", "run_tests", "submit"]
     assert all(m["content"] == "" for m in gold)
     line, old, new = split_action(inst.buggy, inst.action)
+    assert gold[0]["tool_calls"][0]["arguments"] == {"view_range": [line, line]}  # the line the statement names
     # in this order: the line, the text copied from it, its replacement
-    assert list(gold[2]["tool_calls"][0]["arguments"].items()) == [("line", line), ("old_str", old), ("new_str", new)]
+    assert list(gold[1]["tool_calls"][0]["arguments"].items()) == [("line", line), ("old_str", old), ("new_str", new)]
     rec = family_script(inst, wrong_edits(inst)[0])
-    assert [m["tool_calls"][0]["name"] for m in rec] == ["run_tests", "view", "edit", "run_tests", "edit",
-                                                         "run_tests", "submit"]
+    assert [m["tool_calls"][0]["name"] for m in rec] == ["view", "edit", "run_tests", "edit", "run_tests", "submit"]
 
 
 @pytest.mark.docker
@@ -109,12 +113,15 @@ def test_replayed_demonstrations_look_edit_read_and_some_recover(tmp_path):
     assert {d.solver for d in ts.demos} == {"gold", "recovery"}
     for d in ts.demos:
         tools = [m for m in d.messages if m["role"] == "tool"]
-        assert tools[0]["content"].startswith("FAILED test_") and "(got " in tools[0]["content"]
+        line = rows[d.task_id].problem_statement.split("on line ")[1].split(",")[0]
+        # view: the one numbered line the statement names; the edit's echo of it
+        assert len(tools[0]["content"].splitlines()) == 1 and tools[0]["content"].split("\t")[0].strip() == line
+        assert tools[1]["content"].startswith(f"line {line}: ")
         assert tools[-2]["content"].endswith("passed\n[exit code: 0]") and "failed" not in tools[-2]["content"]
-        assert tools[1]["content"].splitlines()[0].split("\t")[0].strip() == "1"  # view: the numbered source
-        assert tools[2]["content"].startswith("line ")
         if d.solver == "recovery":
-            assert len(tools) == 7 and "failed" in tools[3]["content"]
+            assert len(tools) == 6 and tools[2]["content"].startswith("FAILED test_") and "(got " in tools[2]["content"]
+        else:
+            assert len(tools) == 4
         assert rows[d.task_id].test_command.startswith(f"python3 {CHECK_PATH} ")
 
 

@@ -89,9 +89,9 @@ def test_fixtures_and_families_load_through_the_trainers_reader(fixture_set, tmp
         assert demos, "verified demonstrations are recorded"
         for d in demos:
             roles = [m["role"] for m in d.messages]
-            # fixtures: tests, apply the patch, tests, submit; families: tests, view, edit, tests, submit
-            # (a recovery adds a failed edit's test result and the correcting edit)
-            n_tools = (4,) if families == {"fixtures"} else (5, 7)
+            # fixtures: tests, apply the patch, tests, submit; families: view, edit, tests, submit (a recovery
+            # adds a failed edit's test result and the correcting edit)
+            n_tools = (4,) if families == {"fixtures"} else (4, 6)
             assert roles[:2] == ["system", "user"] and roles.count("tool") in n_tools and d.reward == 1.0
             assert d.messages[-2]["tool_calls"][0]["name"] == "submit"
         fams = {r.id: r.family for r in ts.tasks}
