@@ -502,7 +502,8 @@ class InferenceEngine(SpeculativeDecoding):
         session's draws do not depend on which other sessions share the call (None: seeds from
         torch's global RNG).
         Continuous batching: `admit()`, polled before every decode step, returns (session id, seed or
-        None) of sessions that join the call there (open, not in it yet): their prompts are prefilled
+        None) of sessions that join the call there (open, not decoding in it: a session whose turn
+        ended in this call may come back with its next one): their prompts are prefilled
         in one forward, their first tokens sampled, and they decode in the same forward as the rest
         from the next step on, with this call's sampling and limits. `on_finish(session_id, gen)` is
         called as each session stops. Returns the Generations of `session_ids`, then of the joined
@@ -560,7 +561,7 @@ class InferenceEngine(SpeculativeDecoding):
                 joined = list(admit()) if admit is not None and active else []
                 if joined:  # joiners prefill, draw their first token, and the batch is rebuilt with them
                     first = len(sessions)
-                    idx = self._join(joined, session_ids_all, sessions, outs, gens)
+                    idx = self._join(joined, session_ids_all, sessions, outs, gens, active)
                     for i in sorted(set(range(first, len(sessions))) - set(idx)):  # at max_seq_len already
                         if on_finish is not None:
                             on_finish(session_ids_all[i], outs[i])
@@ -591,12 +592,13 @@ class InferenceEngine(SpeculativeDecoding):
             out.text = self.tokenizer.decode(out.token_ids)
 
     def _join(self, joined, session_ids: list[int], sessions: list[_Session], outs: list[Generation],
-              gens: list[torch.Generator]) -> list[int]:  # fmt: skip
+              gens: list[torch.Generator], active: list[int]) -> list[int]:  # fmt: skip
         """Add sessions (id, seed) to a running generate call (its lists, in place) and feed their
-        prompts; returns their call indices (those below max_seq_len: the others finish at once)."""
+        prompts; returns their call indices (those below max_seq_len: the others finish at once). A
+        session whose turn in this call has finished may join again: its next turn is a new entry."""
         ids = [int(sid) for sid, _ in joined]
-        if len(set(ids)) != len(ids) or set(ids) & set(session_ids):
-            raise ValueError(f"sessions {ids} cannot join: a session may appear only once per generate call")
+        if len(set(ids)) != len(ids) or set(ids) & {session_ids[i] for i in active}:
+            raise ValueError(f"sessions {ids} cannot join: a session decodes only once at a time in a generate call")
         seeds = [torch.randint(2**62, ()).item() if seed is None else int(seed) for _, seed in joined]
         start = len(sessions)
         for sid, g in zip(ids, self._generators(seeds, len(ids))):

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from model.attention import LayerCache
 from model.dspark import DSparkCache
-from model.ragged_cache import GRAPH_TOKENS, RaggedBatch, engram_rows
+from model.ragged_cache import GRAPH_BUCKETS, GRAPH_TOKENS, RaggedBatch, engram_rows
 from model.sampling import sample
-from model.speculative import CostModel, measure_cost_model, speculative_step, sync_drafter
+from model.speculative import CostModel, grouped_speedup, measure_cost_model, speculative_step, sync_drafter
 from model.transformer import ModelCache, make_engram_inputs
 
 if TYPE_CHECKING:
@@ -40,9 +40,13 @@ class SpeculativeDecoding:
         stop_ids: Sequence[int] | None = None,
         stop_strings: Sequence[str] = (),
         seed: int | Sequence[int] | None = None,
+        admit: Callable[[], Sequence[tuple[int, int | None]]] | None = None,
+        on_finish: Callable[[int, Generation], None] | None = None,
     ) -> list[Generation]:
         """`generate` with DSpark speculative decoding (model/speculative.py): same arguments, same
-        contract. Greedy output is token for token `generate`'s; sampled output has the same
+        contract, except that `admit` and `on_finish` (continuous batching) apply only to a call that
+        runs as plain `generate` (speculation off, below): a speculative call admits no session and
+        returns every result at its end. Greedy output is token for token `generate`'s; sampled output has the same
         distribution and log-probs under it, but not the same draws (speculation consumes randomness
         differently, and a row's draws depend on the rows it is batched with).
 
@@ -55,7 +59,8 @@ class SpeculativeDecoding:
         Speculation switches itself off for the call when it cannot win: if the batch's cost model
         (`speculation_cost`, which times the engine's plain decode, CUDA graphs included) says that
         even with every draft accepted a speculative step emits fewer tokens per second than a plain
-        decode step (`CostModel.best_speedup` below `min_speedup`), or the last speculative call lost
+        decode step (`grouped_speedup` below `min_speedup`: verification runs one forward per position
+        among the sessions, plain decoding one for all), or the last speculative call lost
         to plain decoding within the last `off_calls` calls (`SpeculativeConfig.off_calls`), the call
         is `generate` with the same arguments (counted in stats["speculation_off_calls"]). Inside a
         call, once no session drafts (each one's own switch is off, `SpecStats.off_for`) and no stop
@@ -65,12 +70,13 @@ class SpeculativeDecoding:
             raise ValueError("build the engine with speculative=SpeculativeConfig() to decode speculatively")
         if len(set(session_ids)) != len(session_ids):
             raise ValueError("a session may appear only once per generate call")
-        n = sum(len(self._get(i).token_ids) < self.max_seq_len for i in session_ids)
-        if n and max_new_tokens > 1 and not self._speculation_pays(n):
+        live = [len(self._get(i).token_ids) for i in session_ids if len(self._get(i).token_ids) < self.max_seq_len]
+        if live and max_new_tokens > 1 and not self._speculation_pays(len(live), len(set(live))):
             self.stats["speculation_off_calls"] += 1
             for i in session_ids:
                 self._get(i).spec.off_calls += 1
-            return self.generate(session_ids, max_new_tokens, temperature, top_p, stop_ids, stop_strings, seed)
+            return self.generate(session_ids, max_new_tokens, temperature, top_p, stop_ids, stop_strings, seed,
+                                 admit=admit, on_finish=on_finish)  # fmt: skip
         self._spec_call = [0.0, 0.0]
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer")
@@ -112,10 +118,14 @@ class SpeculativeDecoding:
                 out.text = self.tokenizer.decode(out.token_ids)
         return outs
 
-    def _speculation_pays(self, batch: int) -> bool:
-        """Whether a call of `batch` rows speculates: fully accepted drafts can beat the plain decode
-        step (the cost model), and no recent speculative call lost to plain decoding."""
-        if self.speculation_cost(batch).best_speedup() < self.speculative.min_speedup:
+    def _speculation_pays(self, batch: int, n_positions: int = 1) -> bool:
+        """Whether a call of `batch` rows at `n_positions` different positions speculates: fully accepted
+        drafts can beat the plain decode step (the cost model; verification runs one forward per
+        position, plain decoding one for all rows: `grouped_speedup`), and no recent speculative call
+        lost to plain decoding."""
+        cost = self.speculation_cost(batch)
+        one_row = self.speculation_cost(1) if n_positions > 1 else cost
+        if grouped_speedup(cost, one_row, n_positions) < self.speculative.min_speedup:
             return False
         if self._spec_calls_off > 0:
             self._spec_calls_off -= 1
@@ -149,14 +159,15 @@ class SpeculativeDecoding:
         return self._get(session_id).spec.as_dict()
 
     def speculation_cost(self, batch: int) -> CostModel:
-        """The cost model of `batch` rows: the config's, else measured on this device once and cached
-        (with CUDA graphs, t_plain is a graph decode step of `batch` rows, `_plain_step_time`, and one
-        model, measured at the bucket's rows, serves every batch of a graph bucket: a graph step runs
-        the padded bucket, and a measurement takes seconds of eager forwards)."""
+        """The cost model of `batch` rows: the config's, else measured on this device once and cached.
+        One model, measured at a graph bucket's rows, serves every batch of the bucket: a measurement
+        takes seconds of eager forwards (on CPU too, where rollouts' batch sizes change every call);
+        with CUDA graphs t_plain is a graph decode step of the bucket (`_plain_step_time`), which runs
+        the padded bucket."""
         if self.speculative.cost is not None:
             return self.speculative.cost
-        if self.graphs is not None:
-            batch = self.graphs.capacity(batch)
+        buckets = GRAPH_BUCKETS if self.graphs is None else self.graphs.buckets
+        batch = next((b for b in buckets if b >= batch), batch)
         if batch not in self._spec_costs:
             cost = measure_cost_model(self.model, self._verify_forward, batch, self._max_rollback, device=self.device)
             if self.graphs is not None:

@@ -92,6 +92,17 @@ class CostModel:
         return max((k + 1) / be for k, be in enumerate(self.break_even()))
 
 
+def grouped_speedup(batch: CostModel, one_row: CostModel, n_groups: int) -> float:
+    """`batch.best_speedup()` when the batch's rows sit at `n_groups` different positions: plain decode
+    still feeds every row in one ragged forward (`batch.plain_time`), but verification runs one forward
+    per position group, each at least a one-row step (`one_row.step_time(k)`). Multi-turn episodes
+    diverge after their first observation, so their sessions rarely share a position."""
+    if n_groups <= 1:
+        return batch.best_speedup()
+    grouped = max((k + 1) * batch.plain_time / (n_groups * one_row.step_time(k)) for k in range(len(one_row.t_verify)))
+    return min(batch.best_speedup(), grouped)
+
+
 @dataclass
 class SpecStats:
     """Acceptance statistics of one session. steps: verification forwards with drafts (k >= 1);
@@ -447,5 +458,6 @@ def _sync(device: torch.device) -> None:
 
 __all__ = [
     "CostModel", "Forward", "SpecStats", "SpeculativeConfig", "Verification", "accept_greedy", "accept_sampling",
-    "align_drafter", "choose_k", "measure_cost_model", "prefix_survival", "speculative_step", "sync_drafter",
+    "align_drafter", "choose_k", "grouped_speedup", "measure_cost_model", "prefix_survival", "speculative_step",
+    "sync_drafter",
 ]  # fmt: skip

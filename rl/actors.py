@@ -230,7 +230,9 @@ class RolloutWorker:
         sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
                                   max_new_tokens=rollout.max_new_tokens)
         self._lock = None  # asyncio.Lock of the actor's event loop: engine access, weight loads
+        self._batcher = None  # the sandbox episodes' SessionBatcher (continuous), made on the actor's loop
         self._sampling = sampling
+        self._toy_tokens = 0  # tokens of the toy groups' own batchers (the shared batcher counts its own)
         self.tokens_generated = 0
         self.rollout_cfg, self.env_cfg, self.index = rollout, env or EnvConfig(), index
         self.version = -1
@@ -255,6 +257,13 @@ class RolloutWorker:
             self._lock = asyncio.Lock()
         return self._lock
 
+    def _shared_batcher(self) -> SessionBatcher:
+        """Every sandbox episode's turns, whatever its group, in one continuous engine call: a turn that
+        comes back from its tool joins the running call instead of waiting for it to end."""
+        if self._batcher is None:
+            self._batcher = SessionBatcher(self.engine, self._sampling, 0.005, self._engine_lock())
+        return self._batcher
+
     async def set_weights(self, payload: tuple[int, dict[str, torch.Tensor]]) -> int:
         version, weights = payload
         if self.engine.speculative is not None and (self.drafter_version < 0 or _drafter_changed(self.engine, weights)):
@@ -270,7 +279,7 @@ class RolloutWorker:
             await asyncio.to_thread(lambda: self.served[0].loop.call(load).result())
             self.version = version
             return version
-        await SessionBatcher(self.engine, self._sampling, lock=self._engine_lock()).load_weights(weights, version)
+        await self._shared_batcher().load_weights(weights, version)  # a waiting load stops its admissions
         self.version = version
         return version
 
@@ -294,11 +303,16 @@ class RolloutWorker:
             trajs = await asyncio.gather(*(report(self._served_episode(r)) for r in requests))
             self.tokens_generated = self.served[0].loop.stats["tokens_generated"]
         else:
-            # one batcher per group: a group's engine batches do not depend on what else the worker runs
+            # in-process (toy) groups get a batcher of their own: their engine batches, hence their numbers,
+            # do not depend on what else the worker runs; sandbox episodes share the continuous one
             in_process = all(r.env == "toy" for r in requests)
-            batcher = SessionBatcher(self.engine, self._sampling, None if in_process else 0.005, self._engine_lock())
+            batcher = SessionBatcher(self.engine, self._sampling, None, self._engine_lock()) if in_process \
+                else self._shared_batcher()  # fmt: skip
             trajs = await asyncio.gather(*(report(self._episode(r, batcher)) for r in requests))
-            self.tokens_generated += batcher.tokens_generated
+            if in_process:
+                self._toy_tokens += batcher.tokens_generated
+            shared = self._batcher.tokens_generated if self._batcher is not None else 0
+            self.tokens_generated = self._toy_tokens + shared
         seconds = time.perf_counter() - t0
         for t in trajs:
             t.engine_version = f"worker{self.index}"

@@ -16,8 +16,11 @@ Not here: Ray (rl/actors.py), admission control (rl/buffer.py), advantages and l
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +51,42 @@ class RolloutRequest:
 
 
 # ---------------------------------------------------------------------- batching engine access
+# One thread per engine runs its calls: the event loop's default executor (a handful of threads) also
+# runs the episodes' Docker calls, and an engine call queued behind them idles the engine.
+_ENGINE_THREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_thread(engine: InferenceEngine) -> ThreadPoolExecutor:
+    if engine not in _ENGINE_THREADS:
+        _ENGINE_THREADS[engine] = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    return _ENGINE_THREADS[engine]
+
+
+@dataclass
+class _Request:
+    """A turn waiting for the engine: its session (None: `prompt` opens one) and its sampling seed;
+    `counts`: the prefix-cache lookups of the session it opened."""
+
+    session: int | None
+    seed: int
+    future: asyncio.Future
+    prompt: list[int] | None = None
+    opened: bool = False
+    counts: dict[str, float] = field(default_factory=dict)
+
+
 class SessionBatcher:
-    """The episodes of one group, one engine: their pending `generate` requests run as one batched
-    `InferenceEngine.generate` (in a thread, so the event loop keeps serving tool calls and other
-    groups). A batch is dispatched once every registered episode waits for the policy, or, with
+    """The episodes' `generate` requests, one engine: a batch of pending turns runs as one batched
+    `InferenceEngine.generate` call on the engine's own thread, so the event loop keeps serving tool
+    calls. A batch is dispatched once every registered episode waits for the policy, or, with
     `max_wait_s` set (sandbox episodes), after that long: an episode busy in a tool does not hold the
-    others back. In-process episodes use None, so a group's batches, hence its numbers, are the same
-    on every run. `lock` serialises engine access between the batchers of one worker and weight loads
+    others back. With `max_wait_s` set, the call is continuous too: a turn requested while it runs
+    joins it before the next decode step (`generate(admit=...)`), and each turn's result is handed
+    back as its session stops (`on_finish`), so an episode goes on to its tool call while the others
+    decode. In-process episodes use None (whole calls), so a group's batches, hence its numbers, are
+    the same on every run. Sessions are opened on the engine thread too (`generate(None, seed,
+    prompt)`), where the prefix cache is read and written. `lock` serialises engine calls between
+    batchers of one worker and weight loads; a waiting load stops a continuous call from admitting
     (tokens carry the version they were sampled under)."""
 
     def __init__(self, engine: InferenceEngine, sampling: SamplingParams, max_wait_s: float | None = None,
@@ -64,35 +96,33 @@ class SessionBatcher:
         self.max_wait_s = max_wait_s
         self.lock = lock or asyncio.Lock()
         self.n_active = 0
-        self._pending: list[tuple[int, int, asyncio.Future]] = []
+        self._pending: list[_Request] = []  # appended on the event loop, taken by the engine thread
+        self._pending_lock = threading.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._warmed: set[tuple[int, ...]] = set()
+        self._loads_waiting = 0
         self.tokens_generated = 0
 
-    async def start(self, prompt_ids: list[int]) -> tuple[int, dict[str, float]]:
-        """Open a session on a prompt -> (session id, its prefix-cache lookup counts). With the engine's
-        prefix cache the first session of a prompt in this batcher prefills all but its last token once
-        and stores that state, so the group's other samples restore it and feed one token each: the shared
-        prompt is prefilled once (a lookup leaves at least one token to feed)."""
+    def _open(self, prompt: list[int]) -> tuple[int, dict[str, float]]:
+        """(engine thread) Open a session on a prompt -> (session id, its prefix-cache lookup counts).
+        With the engine's prefix cache the first session of a prompt in this batcher prefills all but
+        its last token once and stores that state, so the group's other samples restore it and feed
+        one token each: the shared prompt is prefilled once (a lookup leaves at least one token to feed)."""
         cache = self.engine.prefix_cache
-        async with self.lock:  # sessions change only between batched generate calls
-            if cache is None:
-                return self.engine.start(prompt_ids), {}
-            key = tuple(prompt_ids[:-1])
-            if len(prompt_ids) > 1 and key not in self._warmed:
-                self._warmed.add(key)
-                await asyncio.to_thread(self._warm, list(key))
-            before = dict(cache.counters)
-            sid = self.engine.start(prompt_ids)
+        if cache is None:
+            return self.engine.start(prompt), {}
+        key = tuple(prompt[:-1])
+        if len(prompt) > 1 and key not in self._warmed:
+            self._warmed.add(key)
+            sid = self.engine.start(list(key))
+            try:
+                self.engine.prefill([sid])
+            finally:
+                self.engine.close(sid)
+        before = dict(cache.counters)
+        sid = self.engine.start(prompt)
         return sid, {f"prefix_{k}": float(cache.counters[k] - before[k]) for k in ("global_hit", "global_miss")}
-
-    def _warm(self, ids: list[int]) -> None:
-        sid = self.engine.start(ids)
-        try:
-            self.engine.prefill([sid])
-        finally:
-            self.engine.close(sid)
 
     def register(self) -> None:
         self.n_active += 1
@@ -103,20 +133,34 @@ class SessionBatcher:
         self.n_active -= 1
         self._wake.set()
 
-    async def generate(self, session_id: int, seed: int) -> Generation:
+    async def generate(self, session_id: int | None, seed: int,
+                       prompt: Sequence[int] | None = None) -> tuple[int, Generation, dict[str, float]]:  # fmt: skip
+        """One turn of a session (None: open one on `prompt` first) -> (session id, its Generation, the
+        prefix-cache lookup counts of an opened session)."""
+        if (session_id is None) == (prompt is None):
+            raise ValueError("give a session id or a prompt to open one, not both")
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((session_id, seed, fut))
+        with self._pending_lock:
+            self._pending.append(_Request(session_id, seed, fut, None if prompt is None else list(prompt)))
         self._wake.set()
         return await fut
 
     async def load_weights(self, weights: dict, version: int) -> None:
         """New policy weights; the prefix cache starts empty (its states were computed under the old ones)."""
-        async with self.lock:
-            await asyncio.to_thread(self.engine.load_state_dict, weights, version)
-            if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache = fresh_prefix_cache(self.engine.prefix_cache)
+        self._loads_waiting += 1
+        try:
+            async with self.lock:
+                await asyncio.get_running_loop().run_in_executor(
+                    engine_thread(self.engine), self.engine.load_state_dict, weights, version
+                )
+                if self.engine.prefix_cache is not None:
+                    self.engine.prefix_cache = fresh_prefix_cache(self.engine.prefix_cache)
+                self._warmed.clear()
+        finally:
+            self._loads_waiting -= 1
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while self.n_active > 0 or self._pending:
             await self._wake.wait()
             self._wake.clear()
@@ -128,25 +172,74 @@ class SessionBatcher:
                     await asyncio.sleep(self.max_wait_s / 5)
             if not self._pending:
                 continue
+            async with self.lock:
+                await loop.run_in_executor(engine_thread(self.engine), self._call, loop)
+
+    def _take(self, loop: asyncio.AbstractEventLoop, in_call: dict[int, _Request]) -> list[tuple[int, int]]:
+        """(engine thread) The pending turns, their sessions opened: (session id, seed) each, recorded in
+        `in_call`. A turn whose session cannot open gets the error; the others go on."""
+        with self._pending_lock:
             batch, self._pending = self._pending, []
-            s = self.sampling
+        out = []
+        for r in batch:
             try:
-                # DSpark speculation when the engine has it: same contract and distribution as generate
-                generate = self.engine.generate if self.engine.speculative is None else self.engine.generate_speculative
-                async with self.lock:
-                    gens = await asyncio.to_thread(
-                        generate, [b[0] for b in batch], s.max_new_tokens, s.temperature, s.top_p,
-                        None, (), [b[1] for b in batch],
-                    )  # fmt: skip
-            except Exception as e:  # every waiter learns why; the episodes turn it into an error
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+                if r.session is None:
+                    r.session, r.counts = self._open(r.prompt)
+                    r.opened = True
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, r.future, None, e)
                 continue
-            for (_, _, fut), g in zip(batch, gens):
-                self.tokens_generated += len(g.token_ids)
-                if not fut.done():
-                    fut.set_result(g)
+            in_call[r.session] = r
+            out.append((r.session, r.seed))
+        return out
+
+    def _call(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(engine thread) One generate call over the pending turns; continuous with max_wait_s set."""
+        in_call: dict[int, _Request] = {}
+        continuous = self.max_wait_s is not None
+
+        def finish(sid: int, gen: Generation) -> None:
+            r = in_call.pop(sid, None)
+            if r is not None:
+                loop.call_soon_threadsafe(self._deliver, r, gen)
+
+        def admit() -> list[tuple[int, int]]:
+            return [] if self._loads_waiting else self._take(loop, in_call)
+
+        first = self._take(loop, in_call)
+        if not first:
+            return
+        s = self.sampling
+        kw = {"admit": admit, "on_finish": finish} if continuous else {}
+        # DSpark speculation when the engine has it: same contract and distribution as generate
+        generate = self.engine.generate if self.engine.speculative is None else self.engine.generate_speculative
+        try:
+            gens = generate([sid for sid, _ in first], s.max_new_tokens, s.temperature, s.top_p, None, (),
+                            [seed for _, seed in first], **kw)  # fmt: skip
+        except Exception as e:  # every waiter learns why; the episodes turn it into an error
+            for r in in_call.values():
+                if r.opened:  # its episode never learns the id: a session it cannot close
+                    self.engine.close(r.session)
+                loop.call_soon_threadsafe(_settle, r.future, None, e)
+            return
+        # a call that was not continuous (or speculated) returns its sessions' results at its end
+        for (sid, _), g in zip(first, gens):
+            finish(sid, g)
+        for r in list(in_call.values()):  # cannot happen: every joined session finishes in its call
+            loop.call_soon_threadsafe(_settle, r.future, None, RuntimeError(f"session {r.session} got no result"))
+
+    def _deliver(self, r: _Request, gen: Generation) -> None:
+        self.tokens_generated += len(gen.token_ids)
+        _settle(r.future, (r.session, gen, r.counts), None)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def fresh_prefix_cache(old):
@@ -188,20 +281,22 @@ class TokenPolicy:
 
     async def __call__(self, messages: Sequence[Any]) -> str:
         new = [_as_template_message(m) for m in messages[self._n_seen :]]
+        seed = self.seed * 1_000_003 + len(self.generations)
+        # a session in no engine call is the episode's own: extending it needs no lock (its tokens are
+        # only recorded; the engine feeds them when the turn joins a call)
         if self.session is None:
             ids = self.template.render(new, tools=self.tools or None, add_generation_prompt=True).token_ids
-            self.session, self.prefix_counts = await self.batcher.start(ids)
+            self.session, gen, self.prefix_counts = await self.batcher.generate(None, seed, ids)
+            self.turn_starts.append(gen.prompt_len)
         else:
-            async with self.batcher.lock:  # sessions change only between batched generate calls
-                self.engine.extend(self.session, self.template.render_continuation(new).token_ids)
+            self.engine.extend(self.session, self.template.render_continuation(new).token_ids)
+            self.turn_starts.append(len(self.engine.tokens(self.session)))
+            _, gen, _ = await self.batcher.generate(self.session, seed)
         self.messages += new
-        self.turn_starts.append(len(self.engine.tokens(self.session)))
-        gen = await self.batcher.generate(self.session, self.seed * 1_000_003 + len(self.generations))
         self.generations.append(gen)
         ids = list(gen.token_ids)
         if gen.finish_reason != "stop":  # truncated turn: close it with <|end|> so the chat stays well-formed
-            async with self.batcher.lock:
-                self.engine.extend(self.session, [self.template.tokenizer.end_id])
+            self.engine.extend(self.session, [self.template.tokenizer.end_id])
             ids.append(self.template.tokenizer.end_id)
         self.messages.append({"role": "assistant", "content": None, "token_ids": ids})
         self._n_seen = len(messages) + 1  # the episode loop appends this reply to its own list

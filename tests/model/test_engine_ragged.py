@@ -160,7 +160,8 @@ def test_speculation_continues_after_ragged_decode(template, hasher):
 
     m = Transformer(ARGS, engram_hasher=hasher)
     m.init_weights(seed=0, std=0.2)
-    always_k = CostModel([1.0] * (ARGS.dspark_block_size + 1), 0.0)  # every step verifies all drafts
+    # every step verifies all drafts, and plain decoding is modelled slow: speculation pays at any positions
+    always_k = CostModel([1.0] * (ARGS.dspark_block_size + 1), 0.0, t_plain=64.0)
     prompts = [_prompt(n, 120 + n) for n in (7, 12, 21)]
     plain = InferenceEngine(m, template, max_sessions=4)
     want = plain.generate([plain.start(p) for p in prompts], 14, stop_ids=())
@@ -208,5 +209,5 @@ def test_sessions_join_a_running_generate_between_steps(model, template, hasher)
     assert engine.stats["decode_steps"] == 9 and engine.stats["forward_calls"] == 1 + 1 + 9
     for p, seed, g in zip(prompts, (31, 32, 33), gens):
         _check(g, *_loop(model, hasher, p, 8, 0.9, 0.95, seed)[:2])
-    with pytest.raises(ValueError, match="only once"):
+    with pytest.raises(ValueError, match="only once at a time"):
         engine.generate([0], 3, stop_ids=(), admit=lambda: [(0, 1)])

@@ -1,7 +1,8 @@
 """Speculation switching itself off (InferenceEngine.generate_speculative): a call whose cost model
 says that even fully accepted drafts lose to the engine's plain decode step (`CostModel.t_plain`:
-on CUDA the graph decode step, which the eager speculative path cannot match) is the plain
-`generate` call, token for token; with a cost model under which drafts can win it speculates."""
+on CUDA the graph decode step, which the eager speculative path cannot match; sessions at several
+positions: one verification forward per position) is the plain `generate` call, token for token;
+with a cost model under which drafts can win it speculates."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from model.chat_template import ChatTemplate
 from model.config import get_flavor
 from model.engine import InferenceEngine
 from model.engram import EngramHasher
-from model.speculative import CostModel, SpeculativeConfig
+from model.speculative import CostModel, SpeculativeConfig, grouped_speedup
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 
@@ -37,6 +38,31 @@ def test_cost_model_break_even():
     assert cost.break_even() == pytest.approx([2.0, 3.0, 3.2])
     assert cost.best_speedup() == pytest.approx(3 / 3.2)  # k = 2, all accepted: still slower
     assert CostModel([0.010, 0.011, 0.012], 0.004).best_speedup() == pytest.approx(3 / 1.6)  # vs eager plain
+
+
+def test_grouped_speedup_counts_a_verification_forward_per_position():
+    cost = CostModel([1.0] * (K + 1), 0.0, t_plain=0.4)  # K+1 tokens per 1 s against 1 per 0.4 s
+    assert grouped_speedup(cost, cost, 1) == pytest.approx(cost.best_speedup()) == pytest.approx((K + 1) * 0.4)
+    assert grouped_speedup(cost, cost, 3) == pytest.approx((K + 1) * 0.4 / 3)
+    cheap_row = CostModel([0.1] * (K + 1), 0.0)  # one row verifies fast: the batch's own bound still caps it
+    assert grouped_speedup(cost, cheap_row, 2) == pytest.approx(cost.best_speedup())
+
+
+# wins at one position ((K+1) * 0.4 = 2.4 tokens per plain step), loses at three (0.8)
+ONE_POSITION_WINS = CostModel([1.0] * (K + 1), 0.0, t_plain=0.4)
+
+
+def test_sessions_at_different_positions_decode_plain(setup):
+    """Multi-turn sessions diverge: at three positions verification takes three forwards against plain
+    decoding's one, so the call is plain `generate`; the same sessions at one position speculate."""
+    m, template, prompts = setup
+    spec = InferenceEngine(m, template, max_sessions=8, speculative=SpeculativeConfig(cost=ONE_POSITION_WINS))
+    spec.generate_speculative([spec.start(p) for p in prompts], 8, stop_ids=())
+    assert spec.stats["speculation_off_calls"] == 1
+    sids = [spec.start(p[:7]) for p in prompts]  # same length, different tokens
+    spec.generate_speculative(sids, 8, stop_ids=())
+    assert spec.stats["speculation_off_calls"] == 1
+    assert all(spec.speculation_stats(s)["drafted"] > 0 for s in sids)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -84,6 +110,7 @@ def test_call_whose_sessions_stop_drafting_finishes_plain(setup):
     """Once no session drafts, the call's remaining tokens are `generate`'s (plain decode steps):
     greedy output stays token for token the plain engine's, and the next calls run plain."""
     m, template, prompts = setup
+    prompts = [p[:7] for p in prompts]  # one position: verification batches every session
     assert MARGINAL.best_speedup() > 1.0
     spec = InferenceEngine(m, template, max_sessions=4,
                            speculative=SpeculativeConfig(cost=MARGINAL, off_calls=2))  # fmt: skip
@@ -104,6 +131,7 @@ def test_call_whose_sessions_stop_drafting_finishes_plain(setup):
 
 def test_plain_finish_is_a_function_of_the_seeds(setup):
     m, template, prompts = setup
+    prompts = [p[:7] for p in prompts]  # one position, so the call speculates before it finishes plain
 
     def run():
         spec = InferenceEngine(m, template, max_sessions=4, speculative=SpeculativeConfig(cost=MARGINAL))

@@ -176,7 +176,7 @@ def test_packed_needs_qat(hasher):
 
 def test_packed_speculative_decoding_equals_dense(model, template):
     """Verification calls roll rejected drafts back with truncate, on the engine's packed caches."""
-    always_k = SpeculativeConfig(cost=CostModel([1.0] * (ARGS.dspark_block_size + 1), 0.0))
+    always_k = SpeculativeConfig(cost=CostModel([1.0] * (ARGS.dspark_block_size + 1), 0.0, t_plain=64.0))
     prompts = [_prompt(12, 50), _prompt(12, 51), _prompt(21, 52)]
     out = []
     for packed in (False, True):

@@ -105,7 +105,7 @@ def _full_routing(model: Transformer, tokens: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("speculative", [False, True])
 def test_engine_records_what_a_training_forward_routes(speculative):
     model = _model()
-    kw = {"speculative": SpeculativeConfig(cost=CostModel([1.0] * 3, 0.0))} if speculative else {}
+    kw = {"speculative": SpeculativeConfig(cost=CostModel([1.0] * 3, 0.0, t_plain=64.0))} if speculative else {}
     engine = InferenceEngine(model, max_sessions=4, record_routing=True, **kw)
     sids = [engine.start(_prompt(n, n)) for n in (9, 20)]
     gen = engine.generate_speculative if speculative else engine.generate

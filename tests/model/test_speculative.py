@@ -49,9 +49,12 @@ K = ARGS.dspark_block_size
 # Sampling test: a prompt and settings whose top-p support of the first three tokens is small enough to
 # enumerate (2 x 35 x 345 sequences) and to fill a chi-square table with N samples.
 STAT_T, STAT_TOP_P, N_STAT = 0.4, 0.9, 1200
-# A cost model under which verifying more is never slower, so every step verifies all K drafts.
-ALWAYS_K = CostModel([1.0] * (K + 1), 0.0)
-FORCE_K = CostModel([1.0 - 0.1 * k for k in range(K + 1)], 0.0)  # also when survival underflows to 0
+# A cost model under which verifying more is never slower, so every step verifies all K drafts; a plain
+# decode step modelled PLAIN_S long, so speculation pays however many positions its sessions sit at
+# (one verification forward per position: model/speculative.py grouped_speedup).
+PLAIN_S = 64.0
+ALWAYS_K = CostModel([1.0] * (K + 1), 0.0, t_plain=PLAIN_S)
+FORCE_K = CostModel([1.0 - 0.1 * k for k in range(K + 1)], 0.0, t_plain=PLAIN_S)  # also when survival underflows to 0
 # Greedy log-probs, speculative vs plain. Both run the same ops on the same weights; the verify forward's
 # matmuls have k+1 rows, plain decode's one, so MKL/oneDNN/ATen pick other kernels and sum in another
 # order: each fp32 dot product of length <= 4 x dim moves by a few ulp (~1e-6 relative), and the 8 debug
