@@ -532,7 +532,9 @@ class InferenceEngine(SpeculativeDecoding):
         # rows[k] is the call index of batch row k, in the order of `active`
         batch, rows, logits_BV = None, [], None
         max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
-        if self.graphs is not None:  # banks sized in steps of GRAPH_TOKENS: later calls reuse the graphs
+        # banks sized in steps of GRAPH_TOKENS: later calls reuse the graphs, and the compiled layers (their
+        # shapes include the banks')
+        if self.graphs is not None or self._decode_forward is not None:
             max_tokens = min(self.max_seq_len, -(-max_tokens // GRAPH_TOKENS) * GRAPH_TOKENS)
         sample_args = (gens, temperature, top_p, stops, stop_strings, stop_when, max_new_tokens)
 
