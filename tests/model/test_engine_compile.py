@@ -66,9 +66,12 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
 
 
 # debug's 8 layers are 7 kinds (SWA + Engram; Full r2; Reuse r2; Full r2 + Engram; Full r1 candidate
-# source; Reuse r1, twice; Reindex r1): one graph each, the second Reuse r1 layer reusing its kind's
-@pytest.mark.slow
-def test_compiled_decode_gives_eager_tokens():
+# source; Reuse r1, twice; Reindex r1): one graph each, the second Reuse r1 layer reusing its kind's.
+# aot_eager traces the graphs inductor gets (functionalised, decomposed) and runs them without
+# inductor's kernels; inductor's CPU compile of the 7 graphs takes minutes on one core
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_decode_gives_eager_tokens(backend, monkeypatch):
+    monkeypatch.setattr(ragged_cache, "COMPILE_BACKEND", backend)
     counters.clear()
     torch._dynamo.reset()
     lengths = (1, 6, 17, 30)
