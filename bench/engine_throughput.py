@@ -20,7 +20,9 @@ per decode step), bytes_per_step (weights a decode step touches at this batch + 
 cache, packed format), copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step =
 bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); --compile both
 adds graph engines with the compiled step (a compile that fails is an "error" row); --quick runs both
-prefill modes.
+prefill modes. A compiled engine's row adds what dynamo did for it: graph_breaks, compiled_graphs,
+compiled_frames (frames compiled: one per kind of layer and batch shape) and compile_s (seconds in
+dynamo and inductor, which fall in warm-up). On CPU, --compile applies to the eager engine.
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
 count: a dense Llama-style model of about the same active parameters (random weights, the same
 prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
@@ -94,9 +96,20 @@ def decode_bytes(args: ModelArgs, model, engine: InferenceEngine, sids: list[int
     return int(weights + cache)
 
 
+def dynamo_totals() -> dict:
+    """What dynamo has done in this process so far (cumulative: rows take differences)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "compiled_graphs": counters["stats"].get("unique_graphs", 0),
+            "compiled_frames": counters["frames"].get("ok", 0),
+            "compile_s": sum(compilation_time_metrics.get("_compile.compile_inner", []))}  # fmt: skip
+
+
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
                compiled: bool = False, packed: bool = False) -> dict:  # fmt: skip
     n = len(prompts)
+    before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 8,
                              prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed)  # fmt: skip
@@ -120,6 +133,7 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     t3 = time.perf_counter()
     nbytes = decode_bytes(args, model, engine, sids)
     lens = [len(p) for p in prompts]
+    dyn = {k: round(v - before[k], 2) for k, v in dynamo_totals().items()} if compiled else {}
     return {
         "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled, "prefill_mode": prefill_mode,
         "packed_cache": packed, "flavor": flavor,
@@ -131,7 +145,7 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         "ms_per_step": round((t3 - t2) / new_tokens * 1e3, 3),
         "forwards_per_decode_step": round((engine.stats["forward_calls"] - calls0) / new_tokens, 3),
         "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
-        "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4),
+        "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4), **dyn,
     }  # fmt: skip
 
 
@@ -204,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both", "none"),
                    help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
     p.add_argument("--compile", default="off", choices=("on", "off", "both"),
-                   help="CUDA graph engines: the compiled decode step, the uncompiled one, or both")  # fmt: skip
+                   help="graph engines (CPU: the engine): the compiled decode step, the uncompiled, both")  # fmt: skip
     p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
     modes = modes if device.type == "cuda" else (False,)
     compiles = {"on": (True,), "off": (False,), "both": (False, True)}[a.compile]  # the baseline first
-    engines = [(g, c) for g in modes for c in (compiles if g else (False,))]
+    engines = [(g, c) for g in modes for c in (compiles if g or device.type == "cpu" else (False,))]
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
     packs = {"on": (True,), "off": (False,), "both": (False, True)}[a.packed_cache]

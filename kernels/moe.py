@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels.launch import dot_args, interpreting, launch_opts
 from kernels.quant import cast_rne
 
-__all__ = ["moe_experts", "moe_ref", "CONFIG"]
+__all__ = ["moe_experts", "moe_ref", "expert_offsets", "CONFIG"]
 
 # Tiles per kernel (bench/kernels.py sweeps them on the H200): rows BM x columns BN, reduction BK.
 # Best of bench/kernels.py's per-kernel sweep (each kernel launched alone) on one H200 at `small`
@@ -269,11 +269,11 @@ def _config(name: str, dtype: torch.dtype) -> dict:
 _offsets_cache: dict[tuple, torch.Tensor] = {}
 
 
-def _weight_offsets(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base tensor, int64 [E] offsets of each expert from it in 16-byte units) on the weights'
-    device. Every weight must be contiguous, of one dtype and 16-byte aligned relative to base.
-    The offsets tensor is cached by the weights' addresses (stable across steps: optimisers update
-    in place), so a call costs no host-to-device copy, which would stall the stream."""
+def _weight_offsets(ws: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [E] offsets of each expert's weight from the first one's, in 16-byte units, on the
+    weights' device. Every weight must be contiguous, of one dtype and 16-byte aligned relative to
+    the first. Cached by the weights' addresses (stable across steps: optimisers update in place),
+    so a call costs no host-to-device copy, which would stall the stream."""
     base = ws[0]
     ptrs = tuple(w.data_ptr() for w in ws)
     key = (base.device, ptrs)
@@ -287,7 +287,17 @@ def _weight_offsets(ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
         if len(_offsets_cache) > 256:
             _offsets_cache.clear()
         offs = _offsets_cache[key] = torch.tensor([x // 16 for x in d], dtype=torch.int64).to(base.device)
-    return base, offs
+    return offs
+
+
+def expert_offsets(
+    w1s: list[torch.Tensor], w3s: list[torch.Tensor], w2s: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The offset tables (w1, w3, w2) `moe_experts` reads its experts' weights through, for a caller
+    that passes them in (`offsets=`): a traced region (torch.compile) cannot read data pointers, so
+    they are made outside it, here, eagerly. Valid while the weights stay where they are: call again
+    after they move (the lookup is by address, so an unmoved set costs a dict lookup)."""
+    return _weight_offsets(w1s), _weight_offsets(w3s), _weight_offsets(w2s)
 
 
 @triton.jit
@@ -467,13 +477,11 @@ def _up(sched, x_TD, w1, w1ofs, w3, w3ofs, wgt_N, gu, h, limit, cfg):
     )  # fmt: skip
 
 
-def _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit):
+def _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit, offsets):
     D = x_TD.size(1)
     Fi = w1s[0].size(0)
     dev, dt = x_TD.device, x_TD.dtype
-    w1, w1ofs = _weight_offsets(w1s)
-    w3, w3ofs = _weight_offsets(w3s)
-    w2, w2ofs = _weight_offsets(w2s)
+    (w1, w3, w2), (w1ofs, w3ofs, w2ofs) = (w1s[0], w3s[0], w2s[0]), offsets
     gu = torch.empty(sched.N, 2 * Fi, dtype=dt, device=dev)
     h = torch.empty(sched.N, Fi, dtype=dt, device=dev)
     y = torch.empty(sched.N, D, dtype=dt, device=dev)
@@ -486,12 +494,12 @@ def _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit):
 
 class _MoEExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, topk_idx_TK, n_experts, limit, *ws):
+    def forward(ctx, x_TD, weights_TK, topk_idx_TK, n_experts, limit, offsets, *ws):
         E = n_experts
         w1s, w3s, w2s = ws[:E], ws[E : 2 * E], ws[2 * E :]
         sched = _Schedule(topk_idx_TK, weights_TK, E)
         wgt_N = sched.wgt_N
-        y, gu, h, wtab = _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit)
+        y, gu, h, wtab = _forward(x_TD, wgt_N, sched, w1s, w3s, w2s, limit, offsets)
         ctx.save_for_backward(x_TD, wgt_N, gu, h, *ws)
         ctx.sched, ctx.wtab, ctx.limit, ctx.E = sched, wtab, limit, E
         return y.view(sched.T, sched.K, -1)
@@ -525,7 +533,7 @@ class _MoEExperts(torch.autograd.Function):
         dW2 = _wgrad(sched, dy, sched.slot_N, h, None, D, Fi, ws[0].dtype, cfg_wg)
         dweights = dwgt_part.sum(1)  # already in slot (token, k) order
         grads = (*dW13[:, :Fi].unbind(0), *dW13[:, Fi:].unbind(0), *dW2.unbind(0))
-        return dx_TD, dweights.view(T, sched.K), None, None, None, *grads
+        return dx_TD, dweights.view(T, sched.K), None, None, None, None, *grads
 
 
 def moe_experts(
@@ -536,11 +544,14 @@ def moe_experts(
     w3s: list[torch.Tensor],
     w2s: list[torch.Tensor],
     swiglu_limit: float = 0.0,
+    offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts of every assignment: x [T, D] (bf16/fp16/fp32), weights [T, K] fp32 routing
     weights (differentiable), topk_idx [T, K] int expert ids, w1s / w3s [F, D] and w2s [D, F] per
     expert (model.moe.Expert's w1, w3, w2) -> y [T, K, D] in x's dtype, slot (t, k) = expert
-    topk_idx[t, k]'s output for token t times its weight. Gradients for x, weights and all weights."""
+    topk_idx[t, k]'s output for token t times its weight. Gradients for x, weights and all weights.
+    `offsets`: `expert_offsets(w1s, w3s, w2s)` made beforehand, as a compiled caller must (it reads
+    no data pointer); None looks them up here."""
     E = len(w1s)
     if len(w3s) != E or len(w2s) != E or E == 0:
         raise ValueError(f"need one w1, w3 and w2 per expert, got {len(w1s)}, {len(w3s)} and {len(w2s)}")
@@ -554,7 +565,9 @@ def moe_experts(
     if any(w.dtype != x_TD.dtype for w in (*w1s, *w3s, *w2s)):
         raise ValueError(f"the experts' weights must share x's dtype {x_TD.dtype}")
     ws = [w.contiguous() for w in (*w1s, *w3s, *w2s)]
-    return _MoEExperts.apply(x_TD.contiguous(), weights_TK, topk_idx_TK, E, float(swiglu_limit), *ws)
+    if offsets is None:
+        offsets = expert_offsets(ws[:E], ws[E : 2 * E], ws[2 * E :])
+    return _MoEExperts.apply(x_TD.contiguous(), weights_TK, topk_idx_TK, E, float(swiglu_limit), offsets, *ws)
 
 
 def moe_ref(

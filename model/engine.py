@@ -11,7 +11,7 @@ the start of a generate call feeds) are fed in ragged steps of up to `prefill_ch
 over every session with tokens to feed (shorter rows padded, model/ragged_cache.py); the sessions a
 `generate` call decodes are then the rows of one `RaggedBatch` from their first decode step to their
 last, each step feeding every row's newest token in ONE forward (`RaggedBatch.decode`: fixed shapes,
-replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, the forward compiled by inductor with
+replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, its layers compiled by inductor with
 `compile_decode=True`, one device-to-host copy of the sampled tokens per step), and a session that
 stops leaves the batch between steps with its cache. A generate call whose sessions lack only their
 newest token starts with such a decode step. CED prefill (model/ced.py `ced_prefill_ragged`) is
@@ -160,11 +160,11 @@ class InferenceEngine(SpeculativeDecoding):
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}: pass cuda_graphs=False")
         if cuda_graphs and model.args.impl != "triton":
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
-        # compile_decode: decode steps run model.forward_ragged compiled by inductor (model/ragged_cache.py
-        # compile_decode), captured by the graphs, one compile per graph bucket (fewer buckets). Off by
-        # default: on the H200 a compiled `small` step runs in half the time at 1 session, but each
-        # bucket compiles for minutes and its outputs have not been checked against eager there yet
-        # (docs/engine_throughput.md)
+        # compile_decode: decode steps run model.forward_ragged with its layers compiled by inductor
+        # (model/ragged_cache.py compile_decode: one compile per kind of layer and graph bucket, fewer
+        # buckets), captured by the graphs. Off by default: on the H200 a compiled `small` step ran in
+        # half the time at 1 session, but the whole-model compile took minutes per bucket, and the
+        # per-layer one is not yet measured there (docs/engine_throughput.md)
         if compile_decode is None:
             compile_decode = False
         if compile_decode and record_routing:
@@ -533,7 +533,9 @@ class InferenceEngine(SpeculativeDecoding):
         # rows[k] is the call index of batch row k, in the order of `active`
         batch, rows, logits_BV = None, [], None
         max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
-        if self.graphs is not None:  # banks sized in steps of GRAPH_TOKENS: later calls reuse the graphs
+        # banks sized in steps of GRAPH_TOKENS: later calls reuse the graphs, and the compiled layers (their
+        # shapes include the banks')
+        if self.graphs is not None or self._decode_forward is not None:
             max_tokens = min(self.max_seq_len, -(-max_tokens // GRAPH_TOKENS) * GRAPH_TOKENS)
         sample_args = (gens, temperature, top_p, stops, stop_strings, stop_when, max_new_tokens)
 
@@ -643,8 +645,12 @@ class InferenceEngine(SpeculativeDecoding):
         return still
 
     def _decode_batch(self, sessions: list[_Session], active: list[int], max_tokens: int) -> RaggedBatch:
-        return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
-                           forward=self._decode_forward)  # fmt: skip
+        # without graphs the batch's tensors are made as inference tensors, as its steps' outputs are:
+        # a compiled step then sees one kind of tensor from the first step on (dynamo guards on it,
+        # and would compile every layer again at the second step)
+        with torch.inference_mode(self.graphs is None):
+            return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
+                               forward=self._decode_forward)  # fmt: skip
 
     def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> torch.Tensor:
         """Feed every row's one unfed token (its newest generated one) in one ragged forward; returns

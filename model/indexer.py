@@ -349,7 +349,8 @@ class Indexer(nn.Module):
             idx_BSK = self._restricted_topk(q_BSID, index_k_BGD, w_BSI, visible_BSG, candidate_blocks_BSC)
             return IndexerOutput(idx_BSK, None)
         # torch impl, default numerics: picks from gradient-free scores over the visible range only
-        lean = self.index_scores is index_scores_ref
+        # (found by host syncs, which a compiled forward cannot make: it scores every group, masked)
+        lean = self.index_scores is index_scores_ref and not torch.compiler.is_compiling()
         if lean:
             score_BSG = causal_index_scores(q_BSID, index_k_BGD, w_BSI, visible_BSG)
         else:

@@ -211,10 +211,28 @@ class MoE(nn.Module):
         self.swiglu_limit = args.swiglu_limit
         self.grouped_experts = None
         self.layer_id: int | None = None  # set by the owning Block: the key of routing record/replay
+        # the grouped GEMMs' expert offset tables (kernels/moe.py expert_offsets), made eagerly by
+        # `refresh_expert_offsets`: a compiled forward reads them here, as it cannot read the weights'
+        # addresses (an eager forward refreshes them itself)
+        self.expert_offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if args.impl == "triton":
             from kernels.moe import moe_experts  # chosen at construction (STYLE rule 13)
 
             self.grouped_experts = moe_experts
+
+    def refresh_expert_offsets(self) -> None:
+        """Make `expert_offsets` match where the experts' weights are now (impl=triton; a no-op
+        otherwise). Eager only: a compiled caller runs it before each compiled call, so weights that
+        moved since (a load with assign, a device move) are never read through stale offsets."""
+        if self.grouped_experts is None:
+            return
+        from kernels.moe import expert_offsets
+
+        self.expert_offsets = expert_offsets(*self._expert_weights())
+
+    def _expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        return ([ex.w1.weight for ex in self.experts], [ex.w3.weight for ex in self.experts],
+                [ex.w2.weight for ex in self.experts])  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, image_mask: torch.Tensor | None = None
@@ -248,10 +266,15 @@ class MoE(nn.Module):
         # scatter_add, not bincount: CUDA bincount syncs with the host (the Triton path has no other sync)
         counts_E = x.new_zeros(E, dtype=torch.int64).scatter_add_(0, expert_N, torch.ones_like(expert_N))
         if self.grouped_experts is not None:
+            if not compiling:
+                self.refresh_expert_offsets()
+            elif self.expert_offsets is None:
+                raise ValueError("a compiled MoE reads expert offsets made eagerly: call refresh_expert_offsets first")
             y_TKD = self.grouped_experts(
-                x_TD, weights_TK, topk_idx_TK, [ex.w1.weight for ex in self.experts],
-                [ex.w3.weight for ex in self.experts], [ex.w2.weight for ex in self.experts], self.swiglu_limit,
-            )  # fmt: skip
+                x_TD, weights_TK, topk_idx_TK, *self._expert_weights(), self.swiglu_limit, self.expert_offsets
+            )
+        elif compiling:
+            y_TKD = self._experts_dense(x_TD, weights_TK, topk_idx_TK)
         else:
             y_TKD = self._experts_loop(x_TD, weights_TK, expert_N, counts_E)
         # sum a token's K outputs in fp32, ascending expert id
@@ -268,6 +291,20 @@ class MoE(nn.Module):
             scores=scores_TE.view(*lead, E),
         )
         return y_TD.to(x.dtype).view(x.shape), stats
+
+    def _experts_dense(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+        """The [T, K, D] slot outputs of `_experts_loop` without its host sync (a compiled forward,
+        impl=torch): every expert runs on every token, unselected ones at weight 0, and each slot
+        takes its expert's row. E times the expert FLOPs: meant for decode steps, where every
+        expert's weights are read once anyway; a row's values are the loop's up to the GEMM's row
+        blocking (rounding)."""
+        T, K = weights_TK.shape
+        y_TKD = x_TD.new_zeros(T, K, self.dim)
+        for e, expert in enumerate(self.experts):
+            hit_TK = topk_idx_TK == e
+            w_T1 = (weights_TK * hit_TK).sum(-1, keepdim=True)  # a token picks an expert at most once
+            y_TKD = torch.where(hit_TK[..., None], expert(x_TD, w_T1)[:, None, :], y_TKD)
+        return y_TKD
 
     def _experts_loop(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_N: torch.Tensor, counts_E: torch.Tensor

@@ -21,8 +21,9 @@ where not complete), so their shapes stay fixed from step to step; with a `Graph
 replay CUDA graphs: the batch's tensors then live in the pool's storage of `capacity` rows (the
 smallest bucket >= the rows; the rest padding rows at position 0), each step's cache updates are
 copied back into that storage inside the graph, one graph per bucket of live rows, reused by later
-batches of the same shapes. `compile_decode` gives the decode forward compiled by inductor (fused
-kernels, static shapes per bucket), which a pool captures as it would the eager one.
+batches of the same shapes. `compile_decode` gives the decode forward with its layers compiled by
+inductor (fused kernels, static shapes per bucket, one compile per kind of layer), which a pool
+captures as it would the eager one.
 CED prefill (model/ced.py `ced_prefill_ragged`) runs its encoder steps through `step(encoder_only=True)`
 and its decoder replay on the batch's caches (`clear_rings`, `realign`).
 Not here: rollback (`truncate` works on per-session caches only, so speculative verification runs
@@ -32,12 +33,13 @@ on those).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 
 from model.attention import LayerCache
-from model.transformer import ModelCache, Transformer, make_engram_inputs
+from model.transformer import ModelCache, Transformer, make_engram_inputs, run_layer
 
 # ModelCache fields that are rings, and how many entries each keeps beyond max_rollback
 # CUDA-graph decode batches size their banks in multiples of this many tokens, so that generate calls
@@ -139,7 +141,10 @@ class RaggedBatch:
 
     def _ring(self, owner: int, name: str, rows: list, keep: int, empty: torch.Tensor | None) -> torch.Tensor:
         like = next((x for x in rows if x is not None), empty)
-        out = like.new_zeros(len(rows), keep + self.slack, *like.shape[2:])
+        # one entry more, unused, in front: a decode step appends one entry and keeps the newest, a
+        # view that starts one entry into the concatenation; allocated alike, the rings of the first
+        # step have the strides of every later step's (a compiled step guards on strides)
+        out = like.new_zeros(len(rows), keep + self.slack + 1, *like.shape[2:])[:, 1:]
         lens = [0 if x is None else x.size(1) for x in rows]
         if max(lens) > keep:
             raise ValueError(f"{name} holds {max(lens)} entries, more than the {keep} a step keeps")
@@ -316,8 +321,8 @@ class RaggedBatch:
 
 # live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# with a compiled forward each bucket costs one inductor compile of the whole model: fewer buckets,
-# more padding (a step's time grows far slower than its rows below 256)
+# with a compiled forward each bucket costs compiles (one per kind of layer): fewer buckets, more
+# padding (a step's time grows far slower than its rows below 256)
 COMPILED_BUCKETS = (1, 4, 16, 64, 128, 256)
 # dynamo backend of compile_decode ("aot_eager" traces the same graphs without inductor's kernels:
 # an ablation of the fusion itself)
@@ -325,13 +330,19 @@ COMPILE_BACKEND = "inductor"
 
 
 def compile_decode(model: Transformer) -> Callable:
-    """model.forward_ragged compiled for decode steps: static shapes (one compile per batch shape, so
-    per bucket), inductor's own CUDA graphs off (a GraphPool captures the compiled step with the
-    cache copy-backs around it), bf16 rounding of fused intermediates kept as eager rounds them
-    (emulate_precision_casts), so compiled steps stay within rounding of eager ones. Triton kernels
-    of impl=triton compile in as user kernels; what dynamo cannot trace runs eagerly between graphs."""
-    # each (layer frame, bucket) is a cache entry of its code object: dynamo's default of 8 would
-    # silently leave later buckets eager
+    """model.forward_ragged for decode steps with each layer compiled: `run_layer` (Engram + block)
+    goes through torch.compile, and layers of one kind (attention role, ratio, Engram or not) and
+    shapes share one compiled graph, their parameters and caches being its inputs (dynamo's
+    inline_inbuilt_nn_modules), so a bucket costs a compile per kind of layer, not one of the whole
+    model; the glue around the layers (layout, embedding, head) stays eager. Static shapes (one
+    compile per kind and batch shape, so per bucket), inductor's own CUDA graphs off (a GraphPool
+    captures the compiled step with the cache copy-backs around it), bf16 rounding of fused
+    intermediates kept as eager rounds them (emulate_precision_casts), so compiled steps stay within
+    rounding of eager ones. Triton kernels of impl=triton compile in as user kernels; a layer's MoE
+    reads expert offset tables refreshed eagerly before each compiled call (kernels/moe.py
+    expert_offsets: a traced region cannot read data pointers)."""
+    # each (kind of layer, bucket, bank size) is a cache entry of run_layer's code object: dynamo's
+    # default of 8 would silently leave later ones eager
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 16 * len(GRAPH_BUCKETS))
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 64 * len(GRAPH_BUCKETS))
@@ -343,7 +354,13 @@ def compile_decode(model: Transformer) -> Callable:
     options = (
         {k: v for k, v in wanted.items() if hasattr(inductor_config, k)} if COMPILE_BACKEND == "inductor" else None
     )
-    return torch.compile(model.forward_ragged, dynamic=False, backend=COMPILE_BACKEND, options=options)
+    compiled = torch.compile(run_layer, dynamic=False, backend=COMPILE_BACKEND, options=options)
+
+    def layer_fn(layer, *args):
+        layer.ffn.refresh_expert_offsets()  # eager: weights that moved get new offset tables
+        return compiled(layer, *args)
+
+    return functools.partial(model.forward_ragged, layer_fn=layer_fn)
 
 
 _MAX_STORAGES = 4  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)

@@ -219,6 +219,24 @@ def hc_post_mixes_pre_torch(f, residual, post, comb, pre_carried, fn, scale, bas
     return (x_new, *hc_mixes_pre_torch(x_new, pre_carried, fn, scale, base, **consts))
 
 
+def run_layer(
+    layer: Block,
+    h_BSCD: torch.Tensor,
+    pre_mix_BSC: torch.Tensor,
+    ctx: AttnContext,
+    cache: LayerCache | None,
+    image_mask: torch.Tensor | None,
+    engram_inputs: dict[str, Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouterStats]:
+    """One backbone layer as `Transformer.run_layers` runs it: the Engram lookup on its layers, then
+    the block. Returns (the block's input streams, whose mean a DSpark target captures; h; pre_mix;
+    stats). A function of the layer rather than a method, so that one compiled version of it serves
+    every layer of one kind (model/ragged_cache.py compile_decode)."""
+    if layer.engram is not None:
+        h_BSCD = layer.engram(h_BSCD, **engram_inputs)
+    return h_BSCD, *layer(h_BSCD, pre_mix_BSC, ctx, cache, image_mask)
+
+
 def make_engram_inputs(
     hasher: EngramHasher,
     input_ids: torch.Tensor,
@@ -355,16 +373,17 @@ class Transformer(nn.Module):
         caches: list[LayerCache] | None,
         image_mask: torch.Tensor | None,
         engram_inputs: dict[str, Any] | None,
+        layer_fn: Callable[..., tuple] = run_layer,
     ) -> Streams:
-        """Advance `streams` (in place) through backbone layers `layer_ids`, in order."""
+        """Advance `streams` (in place) through backbone layers `layer_ids`, in order, each by
+        `layer_fn` (`run_layer`, or its compiled version)."""
         for i in layer_ids:
-            layer = self.layers[i]
-            if layer.engram is not None:
-                streams.h = layer.engram(streams.h, **engram_inputs)
-            if i in self.args.dspark_target_layer_ids:  # DSpark context: mean of the streams at the INPUT
-                streams.captured.append(streams.h.mean(dim=2))
             cache = None if caches is None else caches[i]
-            streams.h, streams.pre_mix, s = layer(streams.h, streams.pre_mix, ctx, cache, image_mask)
+            h_in, streams.h, streams.pre_mix, s = layer_fn(
+                self.layers[i], streams.h, streams.pre_mix, ctx, cache, image_mask, engram_inputs
+            )
+            if i in self.args.dspark_target_layer_ids:  # DSpark context: mean of the streams at the INPUT
+                streams.captured.append(h_in.mean(dim=2))
             streams.stats.append(s)
         return streams
 
@@ -498,6 +517,7 @@ class Transformer(nn.Module):
         bank_slots: dict[int, int],
         engram_inputs: dict[str, Any] | None = None,
         return_main_hidden: bool = False,
+        layer_fn: Callable[..., tuple] = run_layer,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B,V] fp32 after each row's last real token: input_ids [B,S] holds row b's next
         n_real[b] tokens (then padding) at positions pos[b].., over model/ragged_cache.py's batched
@@ -507,12 +527,14 @@ class Transformer(nn.Module):
         The cache is extended in place, padding included (the caller realigns the rings); seq_len is
         not used (rows differ).
         engram_inputs as forward_incremental's, required with Engram layers (rows' contexts differ,
-        so the caller hashes). With `return_main_hidden`: (logits, DSpark context [B,S,X])."""
+        so the caller hashes). With `return_main_hidden`: (logits, DSpark context [B,S,X]).
+        `layer_fn`: what runs each layer (`run_layer`; compiled decode steps pass its compiled version)."""
         a = self.args
         enc = self.encode_ragged(input_ids, pos, n_real, cache, max_end=max_end, bank_slots=bank_slots,
-                                 engram_inputs=engram_inputs)  # fmt: skip
+                                 engram_inputs=engram_inputs, layer_fn=layer_fn)  # fmt: skip
         streams = enc.streams
-        self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), enc.ctx, cache.layers, None, enc.engram_inputs)
+        self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), enc.ctx, cache.layers, None, enc.engram_inputs,
+                        layer_fn)  # fmt: skip
         x_BSD, main_hidden = self.collapse(streams)
         last = (n_real - 1).clamp(min=0)
         logits = self.head(x_BSD[torch.arange(input_ids.size(0), device=x_BSD.device), last].float())
@@ -528,6 +550,7 @@ class Transformer(nn.Module):
         max_end: int,
         bank_slots: dict[int, int],
         engram_inputs: dict[str, Any] | None = None,
+        layer_fn: Callable[..., tuple] = run_layer,
     ) -> EncoderPass:
         """The first half of `forward_ragged` (arguments as there): the encoder layers over the rows'
         new tokens, the encoder output remembered when encoder_out_len > 0; the decoder layers'
@@ -544,7 +567,7 @@ class Transformer(nn.Module):
         )  # fmt: skip
         ctx = self._context(layout, indexer_loss=False, n_pos=max_end + S)
         streams = self.start_streams(self.embed(input_ids))
-        self.run_layers(streams, range(a.n_encoder_layers), ctx, cache.layers, None, engram_inputs)
+        self.run_layers(streams, range(a.n_encoder_layers), ctx, cache.layers, None, engram_inputs, layer_fn)
         if cache.encoder_out_len:
             cache.remember_encoder_out(streams.h, streams.pre_mix)
         return EncoderPass(streams, ctx, engram_inputs, None)

@@ -133,6 +133,39 @@ def test_moe_rows_are_independent_of_the_batch(device):
     torch.testing.assert_close(one, full[[0, 7, 20]], rtol=1e-6, atol=1e-6)
 
 
+def test_offsets_made_beforehand_give_the_same_output(device):
+    """`offsets=` (what a compiled caller passes, made outside the traced region) reads the same
+    weights as the launcher's own lookup; the lookup of an unmoved set returns the cached tables."""
+    x, wgt, idx, w1s, w3s, w2s, _ = _inputs(13, 32, 32, 3, 2, torch.float32, device, seed=5)
+    offsets = km.expert_offsets(w1s, w3s, w2s)
+    assert all(a is b for a, b in zip(offsets, km.expert_offsets(w1s, w3s, w2s)))
+    with torch.no_grad():
+        y = km.moe_experts(x, wgt, idx, w1s, w3s, w2s, 2.0)
+        y_given = km.moe_experts(x, wgt, idx, w1s, w3s, w2s, 2.0, offsets=offsets)
+    assert torch.equal(y, y_given)
+
+
+def test_model_moe_refreshes_offsets_of_moved_weights(device):
+    """model.moe.MoE (impl=triton) keeps the offset tables a compiled forward reads; an eager forward or
+    `refresh_expert_offsets` remakes them where the weights are now (a load with assign moves them)."""
+    from model.config import get_flavor
+    from model.moe import MoE
+
+    args = dict(dim=64, moe_inter_dim=32, n_routed_experts=4, n_activated_experts=2)
+    moe = MoE(get_flavor("debug", impl="triton", **args)).to(device)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        y, _ = moe(x)
+        old = moe.expert_offsets
+        assert old is not None
+        moe.load_state_dict({k: v.clone() for k, v in moe.state_dict().items()}, assign=True)
+        moe.refresh_expert_offsets()
+        ptrs = [ex.w1.weight.data_ptr() for ex in moe.experts]
+        want = torch.tensor([(p - ptrs[0]) // 16 for p in ptrs])
+        assert torch.equal(moe.expert_offsets[0].cpu(), want)
+        torch.testing.assert_close(moe(x)[0], y, rtol=0, atol=0)
+
+
 def test_model_moe_triton_impl_matches_torch_impl(device):
     """model.moe.MoE with impl=triton (grouped kernels) against impl=torch (the per-expert loop)."""
     from model.config import get_flavor

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from model.chat_template import ChatTemplate
 from model.config import get_flavor
@@ -53,8 +54,10 @@ def test_graph_decode_equals_eager(temperature, compiled):
     # stop the first session at its third token: rows then leave a graph batch
     stop = (eager[0][0][2],)
     eager, _ = _run(False, temperature, stop)
+    counters.clear()
     graphed, _ = _run(True, temperature, stop, compiled)
     assert len(graphed[0][0]) < 12, "the stop id did not end the first session early"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])  # each layer one graph
     for (toks_e, lps_e), (toks_g, lps_g) in zip(eager, graphed):
         assert toks_g == toks_e
         torch.testing.assert_close(torch.tensor(lps_g), torch.tensor(lps_e), atol=ATOL, rtol=0)

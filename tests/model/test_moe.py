@@ -157,6 +157,19 @@ def test_bf16_bit_identical_to_reference_loop():
     assert torch.equal(y, _reference_moe(moe, x))
 
 
+def test_dense_experts_of_a_compiled_forward_equal_the_loop():
+    """`_experts_dense` (impl=torch under torch.compile: no host sync) gives the loop's slot outputs."""
+    moe = _moe(swiglu_limit=10.0)
+    x_TD = _x(5, 64) * 3
+    weights_TK, idx_TK, _ = moe.gate(x_TD)
+    expert_N = idx_TK.flatten()
+    counts_E = torch.bincount(expert_N, minlength=moe.n_routed_experts)
+    with torch.no_grad():
+        loop = moe._experts_loop(x_TD, weights_TK, expert_N, counts_E)
+        dense = moe._experts_dense(x_TD, weights_TK, idx_TK)
+    torch.testing.assert_close(dense, loop, rtol=1e-5, atol=1e-5)  # GEMM row blocking: rounding
+
+
 def test_gradients_reach_gate_and_selected_experts_not_bias():
     moe = _moe()
     x = _x(4, 6, 64).requires_grad_()
