@@ -162,9 +162,9 @@ class InferenceEngine(SpeculativeDecoding):
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
         # compile_decode: decode steps run model.forward_ragged with its layers compiled by inductor
         # (model/ragged_cache.py compile_decode: one compile per kind of layer and graph bucket, fewer
-        # buckets), captured by the graphs. Off by default: on the H200 a compiled `small` step ran in
-        # half the time at 1 session, but the whole-model compile took minutes per bucket, and the
-        # per-layer one is not yet measured there (docs/engine_throughput.md)
+        # buckets), captured by the graphs. Off by default: on the H200 a compiled `small` step runs in
+        # 59% of the graph step's time at 1 session, but each bucket compiles for ~2 minutes, and the
+        # larger buckets are not yet measured there (docs/engine_throughput.md)
         if compile_decode is None:
             compile_decode = False
         if compile_decode and record_routing:

@@ -140,15 +140,17 @@ def make_report(run_dir: Path, out: Path) -> dict:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_fmt(r['overall']['pass@1'])} |")
     lines += ["", "## Episodes (held-out evaluations)", "",
               "| stage | episodes | median turns | median tool calls | read tests before last edit | submitted "
-              "| tool mix |",
-              "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+              "| tool mix | episodes/s | tokens/s |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
     episodes = {}
     for label, r in evals.items():
         e = episodes[label] = episode_stats(r)
         if e["episodes"]:
             mix = ", ".join(f"{k} {v}" for k, v in e["tool_mix"].items())
+            speed = r.get("throughput", {})
             lines.append(f"| {label} | {e['episodes']} | {e['turns_median']} | {e['tool_calls_median']} | "
-                         f"{e['tests_read_before_last_edit']:.2f} | {e['submitted']:.2f} | {mix} |")
+                         f"{e['tests_read_before_last_edit']:.2f} | {e['submitted']:.2f} | {mix} | "
+                         f"{_fmt(speed.get('episodes_per_s'), '.2f')} | {_fmt(speed.get('tokens_per_s'), '.1f')} |")
     lines += ["", "## Training jobs", "",
               "| job | steps | wall s | learner tokens/s | rollout tokens/s | samples/s | reward (first → last) "
               "| mismatch k3 | DSpark acceptance (teacher-forced, last) |",

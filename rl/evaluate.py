@@ -10,7 +10,8 @@ settings (sandbox rows: envs/episode.py in a Docker sandbox, graded in a pristin
 in process) on one in-process rollout worker (rl/actors.py RolloutWorker, the engine trainers sample
 with). pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) over the n graded samples of a task, c
 of them passing, averaged over tasks, overall and per family and source; infrastructure failures are
-not samples (counted apart). Writes OUT/eval.json, OUT/eval.md and OUT/episodes.jsonl (every episode as
+not samples (counted apart). Writes OUT/eval.json (with the episodes' throughput: episodes/s, generated
+tokens/s, engine forwards and decode steps), OUT/eval.md and OUT/episodes.jsonl (every episode as
 text). Not here: training, the format.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import defaultdict
 from math import comb
 from pathlib import Path
@@ -75,6 +77,15 @@ def _summary(rows: list[dict]) -> dict:
     return {"tasks": len(rows), **{k: sum(r[k] for r in rows) / len(rows) if rows else float("nan") for k in keys}}
 
 
+def throughput(episodes: int, wall_s: float, tokens: int, engine_before: dict, engine_after: dict) -> dict:
+    """How fast an evaluation's episodes ran: episodes and generated tokens per second of the episodes'
+    wall time (sandboxes and grading included), and the engine's forwards and decode steps, whose ratio
+    shows how well the concurrent episodes shared forwards."""
+    steps = {k: engine_after.get(k, 0) - engine_before.get(k, 0) for k in ("forward_calls", "decode_steps")}
+    return {"episodes": episodes, "wall_s": round(wall_s, 2), "episodes_per_s": round(episodes / max(wall_s, 1e-9), 3),
+            "tokens_generated": tokens, "tokens_per_s": round(tokens / max(wall_s, 1e-9), 1), **steps}
+
+
 def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     from rl.actors import RolloutWorker, build_model
     from rl.rollout import RolloutRequest
@@ -91,9 +102,11 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     del policy
     per_task, transcripts = [], []
+    speed: dict[str, float] = {}
 
     async def run() -> None:
         await worker.set_weights((0, weights))
+        engine0, tokens0, t0 = dict(worker.engine.stats), worker.tokens_generated, time.perf_counter()
         # every task's episodes in one rollout_group call: one batcher, so all of them decode in one batch
         # (env.max_concurrent sandboxes at a time) instead of one task's samples at a time
         reqs = [RolloutRequest(key=f"{row.id}/{m}", group_id=row.id, task_id=row.id, env=task["env"],
@@ -113,6 +126,8 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
             done = await worker.rollout_group(reqs, on_episode=tick)
         finally:
             bar.close()
+        speed.update(throughput(len(reqs), time.perf_counter() - t0, worker.tokens_generated - tokens0,
+                                engine0, worker.engine.stats))  # fmt: skip
         for i, row in enumerate(ts.tasks):
             trajs = done[i * cfg.samples:(i + 1) * cfg.samples]
             transcripts.extend(episode_transcript(t, template, m) for m, t in enumerate(trajs))
@@ -139,7 +154,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
         "overall": _summary(scored), "unscored_tasks": [r["task_id"] for r in per_task if not r["samples"]],
         "by_family": {k: _summary(v) for k, v in sorted(groups["family"].items())},
         "by_source": {k: _summary(v) for k, v in sorted(groups["source"].items())},
-        "per_task": per_task,
+        "throughput": speed, "per_task": per_task,
     }  # fmt: skip
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,6 +176,10 @@ def markdown(report: dict) -> str:
     for kind in ("family", "source"):
         for name, s in report[f"by_{kind}"].items():
             lines.append(f"| {kind} {name} | {s['tasks']} | {s['pass@1']:.3f} | {s['pass@k']:.3f} |")
+    if t := report.get("throughput"):
+        lines += ["", f"{t['episodes']} episodes in {t['wall_s']:.1f} s ({t['episodes_per_s']:.2f} episodes/s, "
+                  f"{t['tokens_per_s']:.1f} generated tokens/s; {t['forward_calls']} engine forwards, "
+                  f"{t['decode_steps']} of them decode steps)"]  # fmt: skip
     if report["unscored_tasks"]:
         lines += ["", f"Not scored (every sample an infrastructure failure): {', '.join(report['unscored_tasks'])}"]
     return "\n".join(lines) + "\n"

@@ -37,6 +37,9 @@ def test_eval_reports_the_toy_heldout_split(tmp_path):
     assert report["split"] == "heldout" and report["overall"]["tasks"] == 2  # 8 toy tasks, a quarter held out
     assert all(t["samples"] == 2 and t["infra_failed"] == 0 for t in report["per_task"])
     assert (tmp_path / "out" / "eval.md").read_text() == markdown(report)
+    speed = report["throughput"]  # the four episodes' own counts: every one generated, decode steps are forwards
+    assert speed["episodes"] == 4 and speed["tokens_generated"] > 0 and speed["wall_s"] > 0
+    assert speed["forward_calls"] >= speed["decode_steps"] > 0
     # one rollout_group call for all four episodes: one progress bar counts them to the end
     assert "eval heldout episodes: 100%" in p.stderr and "4/4" in p.stderr
 
