@@ -33,7 +33,7 @@ class DemoConfig:
     # `eval`, whose greedy episodes are all alike). SFT needs ~100 steps of 6 before the edit's arguments
     # follow the task (the line from the statement, the text from the viewed line; 60 left them constant)
     sft_steps: int = 150
-    rl_steps: int = 8
+    rl_steps: int = 16  # updates of 2 groups of 8 episodes each, about 3 min on 2 cores
     student_sft_steps: int = 20
     opd_steps: int = 4
     eval_samples: int = 1
@@ -42,8 +42,11 @@ class DemoConfig:
     # A family episode's longest call (edit) is 38-44 tokens: 48 new tokens a turn leave room, and an untrained
     # policy's babble ends sooner; 5 turns hold view -> edit -> tests -> submit, or view -> a failed edit ->
     # tests -> a second edit -> tests (an episode that ends at the turn limit is graded too).
+    # A grading's tests get 20 s, not 120: the demo's tests run in about a second, and an edit that makes a
+    # loop endless (the agent's own test runner stops each test after 1 s) held its RL step for the whole
+    # timeout, every episode of the step waiting on that one grading.
     jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=5",
-                            "++rollout.max_new_tokens=48")
+                            "++rollout.max_new_tokens=48", "++env.grading_timeout_s=20")
     # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x
     # group_size = 32), so all of them decode in one batch instead of waiting for a sandbox slot
     train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",
