@@ -61,12 +61,21 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _per_wall_s(rows: list[dict], key: str) -> float | None:
+    """The job's total of `key` over its wall time: a mean of per-step rates would weigh a step that took
+    buffered episodes in a millisecond like one that waited a minute for its own."""
+    wall = rows[-1].get("wall_s")
+    if not wall or not any(key in r for r in rows):
+        return None
+    return sum(r.get(key, 0) for r in rows) / wall
+
+
 def _train_row(stage: str, rows: list[dict]) -> str:
     rew = [r["reward_mean"] for r in rows if "reward_mean" in r]
     acc = [r["dspark_acceptance"] for r in rows if "dspark_acceptance" in r]
     cells = [stage, f"{rows[-1]['step']:.0f}", _fmt(rows[-1].get("wall_s"), ".0f"),
-             _fmt(_mean(rows, "learner_tokens_per_s"), ".0f"), _fmt(_mean(rows, "rollout_tokens_per_s"), ".0f"),
-             _fmt(_mean(rows, "samples_per_s"), ".2f"),
+             _fmt(_mean(rows, "learner_tokens_per_s"), ".0f"), _fmt(_per_wall_s(rows, "rollout_tokens"), ".0f"),
+             _fmt(_per_wall_s(rows, "trajectories"), ".2f"),
              f"{_fmt(rew[0] if rew else None, '.2f')} → {_fmt(rew[-1] if rew else None, '.2f')}",
              _fmt(_mean(rows, "mismatch_k3"), ".4f"), _fmt(acc[-1] if acc else None, ".2f")]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
@@ -152,8 +161,8 @@ def make_report(run_dir: Path, out: Path) -> dict:
                          f"{e['tests_read_before_last_edit']:.2f} | {e['submitted']:.2f} | {mix} | "
                          f"{_fmt(speed.get('episodes_per_s'), '.2f')} | {_fmt(speed.get('tokens_per_s'), '.1f')} |")
     lines += ["", "## Training jobs", "",
-              "| job | steps | wall s | learner tokens/s | rollout tokens/s | samples/s | reward (first → last) "
-              "| mismatch k3 | DSpark acceptance (teacher-forced, last) |",
+              "| job | steps | wall s | learner tokens/s | rollout tokens per wall s | episodes per wall s "
+              "| reward (first → last) | mismatch k3 | DSpark acceptance (teacher-forced, last) |",
               "|---|---:|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
     lines += [_train_row(s, rows) for s, rows in train.items() if rows]
     lines += ["", "## Stage times", "", "| stage | seconds | load avg (1 min) at its end |", "|---|---:|---:|"]

@@ -30,8 +30,9 @@ def test_report_reads_pass_rates_episodes_throughput_and_stage_times(tmp_path):
            _eval(0.5, [looked, blind], {"episodes": 2, "wall_s": 4.0, "episodes_per_s": 0.5, "tokens_per_s": 31.5}))
     (run / "rl").mkdir()
     (run / "rl" / "metrics.jsonl").write_text(
-        "\n".join(json.dumps({"step": s, "reward_mean": r, "wall_s": 10.0 * s, "mismatch_k3": 2e-4})
-                  for s, r in ((1, 0.25), (2, 0.75))) + "\n")  # fmt: skip
+        "\n".join(json.dumps({"step": s, "reward_mean": r, "wall_s": 10.0 * s, "mismatch_k3": 2e-4,
+                              "trajectories": 16, "rollout_tokens": 100, "samples_per_s": rate})
+                  for s, r, rate in ((1, 0.25, 1.6), (2, 0.75, 100.0))) + "\n")  # fmt: skip
     for stage, secs in (("eval_base", 30.0), ("eval_sft", 50.0), ("rl", 200.0)):
         _write(run / stage / "done.json", {"seconds": secs, "summary": {"load": 1.5}})
 
@@ -42,7 +43,8 @@ def test_report_reads_pass_rates_episodes_throughput_and_stage_times(tmp_path):
     # one of the two episodes ran the tests before its last edit; the throughput columns come from eval.json
     assert episode_stats(_eval(0.5, [looked, blind], None))["tests_read_before_last_edit"] == 0.5
     assert "| SFT | 2 | 3.5 | 3.5 | 0.50 | 1.00 | edit 3, submit 2, view 1, run_tests 1 | 0.50 | 31.5 |" in text
-    assert "| rl | 2 | 20 |" in text and "0.25 → 0.75" in text
+    # the job's episodes and rollout tokens over its 20 s, not the mean of its steps' rates (1.6 and 100)
+    assert "| rl | 2 | 20 | - | 10 | 1.60 | 0.25 → 0.75 |" in text
     assert "| rl | 200 | 1.5 |" in text
     for png in ("pass_at_1.png", "rl_reward.png", "mismatch.png", "stage_times.png"):
         assert png in out["plots"] and (run / "report" / png).stat().st_size > 0
