@@ -31,6 +31,11 @@ With --spec-cost, a row {engine: "speculation_cost", sessions, t_verify_ms (k = 
 t_plain_ms (the engine's plain decode step, CUDA graphs on CUDA), break_even (tokens a speculative
 step of each k must emit to match it), best_speedup (every draft accepted), speculation_on (what
 `generate_speculative` decides)} per session count: the cost model of model/speculative.py.
+With --profile, after each engine row a row {engine: "profile", sessions, cuda_graphs, compile_decode,
+steps, wall_ms_per_step, kernel_busy_ms_per_step (the union of the device kernels' intervals: what
+the device did), kernels_per_step, top_kernels [name, ms per step, calls per step], top_host
+[function, own ms per step, calls per step] (cProfile over the same steps, run again without the
+device profiler)}: where a decode step's time goes, device or host.
 Not here: speculative decoding itself (bench/decode.py --speculative), prefill throughput (bench/prefill.py).
 """
 
@@ -57,6 +62,7 @@ from model.tokenizer import Tokenizer  # noqa: E402
 DEFAULTS = {"debug": (8, 48, 16), "tiny": (32, 256, 32), "small": (256, 2047, 128)}
 QUICK = {"sessions": (1, 4), "lens": (5, 20), "new_tokens": 6}
 WARMUP_TOKENS = 3
+PROFILE_STEPS, PROFILE_TOP = 8, 25  # --profile: decode steps profiled, functions and kernels listed
 OVERRIDES = {f: default_tokenizer_fit() for f in ("debug", "small")}
 
 
@@ -107,11 +113,11 @@ def dynamo_totals() -> dict:
 
 
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
-               compiled: bool = False, packed: bool = False) -> dict:  # fmt: skip
+               compiled: bool = False, packed: bool = False, profile: list | None = None) -> dict:  # fmt: skip
     n = len(prompts)
     before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
-                             max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 8,
+                             max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 2 * PROFILE_STEPS + 8,
                              prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed)  # fmt: skip
     warm = engine.start(prompts[0])  # first-call allocations, rope tables
     engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
@@ -134,6 +140,9 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     nbytes = decode_bytes(args, model, engine, sids)
     lens = [len(p) for p in prompts]
     dyn = {k: round(v - before[k], 2) for k, v in dynamo_totals().items()} if compiled else {}
+    forwards = engine.stats["forward_calls"] - calls0
+    if profile is not None:  # after every counter of the row is read
+        profile.append(profile_steps(engine, sids, device))
     return {
         "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled, "prefill_mode": prefill_mode,
         "packed_cache": packed, "flavor": flavor,
@@ -143,10 +152,52 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         "warmup_s": round(t2 - t1, 4), "graph_captures": engine.graphs.captures if engine.graphs else 0,
         "decode_s": round(t3 - t2, 4), "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t3 - t2), 1),
         "ms_per_step": round((t3 - t2) / new_tokens * 1e3, 3),
-        "forwards_per_decode_step": round((engine.stats["forward_calls"] - calls0) / new_tokens, 3),
+        "forwards_per_decode_step": round(forwards / new_tokens, 3),
         "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
         "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4), **dyn,
     }  # fmt: skip
+
+
+def profile_steps(engine: InferenceEngine, sids: list[int], device: torch.device) -> dict:
+    """PROFILE_STEPS decode steps under the device profiler (kernel time), then as many under cProfile
+    (the host's own time per function)."""
+    import cProfile
+    import pstats
+
+    from bench.learner_gpu import busy_seconds
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        engine.generate(sids, PROFILE_STEPS, temperature=1.0, stop_ids=(), seed=2)
+        _sync(device)
+    wall = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            k = kernels.setdefault(e.name[:90], [0.0, 0])
+            k[0] += (e.time_range.end - e.time_range.start) / 1e3
+            k[1] += 1
+    busy_s, n_kernels = busy_seconds(prof) if device.type == "cuda" else (0.0, 0)
+    host = cProfile.Profile()
+    host.enable()
+    engine.generate(sids, PROFILE_STEPS, temperature=1.0, stop_ids=(), seed=3)
+    _sync(device)
+    host.disable()
+    stats = pstats.Stats(host).stats  # (file, line, fn) -> (calls, primitive calls, own s, cumulative s, callers)
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:PROFILE_TOP]
+    n = PROFILE_STEPS
+    return {"engine": "profile", "sessions": len(sids), "cuda_graphs": engine.graphs is not None,
+            "compile_decode": engine._decode_forward is not None, "steps": n,
+            "wall_ms_per_step": round(wall / n * 1e3, 3), "kernel_busy_ms_per_step": round(busy_s / n * 1e3, 3),
+            "kernels_per_step": round(n_kernels / n, 1),
+            "top_kernels": [[k, round(v[0] / n, 4), round(v[1] / n, 1)]
+                            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:PROFILE_TOP]],
+            "top_host": [[f"{Path(f).name}:{line}:{fn}", round(v[2] / n * 1e3, 4), round(v[0] / n, 1)]
+                         for (f, line, fn), v in own]}  # fmt: skip
 
 
 def run_spec_cost(model, device, n: int, graphs: bool) -> dict:
@@ -224,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
     p.add_argument("--packed-cache", default="off", choices=("on", "off", "both"),
                    help="sessions' live caches as packed bytes (the rollout default; QAT models) or dense")  # fmt: skip
+    p.add_argument("--profile", action="store_true", help="a row of each engine's device kernels and host functions")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -247,14 +299,18 @@ def main(argv: list[str] | None = None) -> None:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
         for graphs, compiled in engines:
             for pm, packed in [(pm, pk) for pm in prefill_modes for pk in packs]:
+                prof = [] if a.profile else None
                 try:
-                    row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed)
+                    row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed,
+                                     prof)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
                     if not compiled:
                         raise
                     row = {"engine": "flashpost", "cuda_graphs": graphs, "compile_decode": True, "sessions": n,
                            "error": f"{type(e).__name__}: {str(e)[:2000]}"}  # fmt: skip
                 print(json.dumps(row), flush=True)
+                for extra in prof or ():
+                    print(json.dumps(extra), flush=True)
         if a.spec_cost and model.mtp is not None:
             print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
