@@ -35,7 +35,8 @@ UNGRADED: frozenset[str] = frozenset({"policy_error", "sandbox_error"})
 
 Policy = Callable[[list[Message]], "str | Awaitable[str]"]
 # (task, the agent's diff against task.base_revision) -> grade; e.g. envs.grading.grade_patch, or
-# functools.partial(grade_patch, pool=grader_pool) to grade in warm pristine graders.
+# functools.partial(grade_in_budget, pool=grader_pool) to grade in warm pristine graders under each task's
+# measured budget.
 GradeFn = Callable[["Task", str], GradeResult]
 SandboxFactory = Callable[["Task"], contextlib.AbstractContextManager[Sandbox]]
 

@@ -12,7 +12,9 @@ report is built in the runner's own process from records sent over an inherited 
 back over the runner's own stdout. Every zero says why; a refusal by the screen, a tamper the
 canaries or the reporter saw, or an output flood is also written to the audit log. Known limit:
 the tests run in one process with the code under test, which could mimic the canaries if it
-found their source by means the static screen does not see.
+found their source by means the static screen does not see. An episode's grading runs its tests
+under the task's own budget, measured when its source verified it, capped by the caller's timeout
+(`grading_timeout`).
 Not here: the agent loop or the canned hacks (envs/hacks.py).
 """
 
@@ -33,6 +35,15 @@ from envs.sandbox import AGENT_USER, Sandbox
 from envs.task import Task
 
 DEFAULT_TEST_TIMEOUT_S = 120.0
+# A task's grading budget, Task.verification[GRADING_BUDGET_KEY] (seconds): set by the source that verified
+# the task from its slowest gold grading (`grading_budget`), so a patch that makes a test loop forever costs
+# a few times what the task's tests take instead of the whole cap. MARGIN: episodes are graded beside the
+# learner and every live episode, where a grading runs several times slower than in the source's quiet gold
+# runs, and a correct patch timed out would be taught as a failure. FLOOR: what a grading pays whatever its
+# tests (pytest's start-up, applying the patch, a busy engine) does not scale with a sub-second gold run.
+GRADING_BUDGET_KEY = "grading_budget_s"
+GRADING_BUDGET_MARGIN = 10.0
+GRADING_BUDGET_FLOOR_S = 10.0
 # Where flagged gradings are appended as JSON lines (besides the "flashpost.audit" logger).
 AUDIT_LOG_ENV = "FLASHPOST_AUDIT_LOG"
 _audit = logging.getLogger("flashpost.audit")
@@ -78,6 +89,21 @@ def extract_patch(sb: Sandbox, task: Task, timeout: float = 60.0) -> str:
 
 def task_test_paths(task: Task) -> list[str]:
     return sorted({tid.split("::")[0] for tid in task.test_ids})
+
+
+def grading_budget(gold_s: list[float]) -> float:
+    """The budget of a task whose gold gradings took `gold_s` seconds each (the grader's own time):
+    GRADING_BUDGET_MARGIN x the slowest, at least GRADING_BUDGET_FLOOR_S."""
+    return round(max(GRADING_BUDGET_FLOOR_S, GRADING_BUDGET_MARGIN * max(gold_s)), 1)
+
+
+def grading_timeout(task: Task, cap_s: float) -> float:
+    """The test timeout of a grading of `task`: its measured budget (verification["grading_budget_s"],
+    written by the source that verified it: the factory's inspect stage, the demo's families) when it is
+    below `cap_s`, else `cap_s` (the user's upper bound, env.grading_timeout_s); tasks that record no
+    budget (fixtures, toy and hand-made sets) get `cap_s`."""
+    budget = task.verification.get(GRADING_BUDGET_KEY)
+    return cap_s if budget is None else min(cap_s, float(budget))
 
 
 def run_job(grader: GraderSandbox, task: Task, screen: PatchScreen, timeout_s: float) -> dict:
@@ -218,6 +244,13 @@ def grade_patch(task: Task, patch: str, *, pool: GraderPool | None = None,
     """Grade a git diff (against task.base_revision) in a fresh grader, or a warm one from pool.
     `allow_new_files` lets the patch add files (never ones pytest or Python load on their own)."""
     return grade_patch_output(task, patch, pool=pool, timeout_s=timeout_s, allow_new_files=allow_new_files)[0]
+
+
+def grade_in_budget(task: Task, patch: str, *, pool: GraderPool | None = None,
+                    cap_s: float = DEFAULT_TEST_TIMEOUT_S) -> GradeResult:
+    """grade_patch under `grading_timeout(task, cap_s)`: an episode's grade function
+    (functools.partial(grade_in_budget, pool=..., cap_s=env.grading_timeout_s))."""
+    return grade_patch(task, patch, pool=pool, timeout_s=grading_timeout(task, cap_s))
 
 
 def grade_sandbox(sb: Sandbox, task: Task, *, pool: GraderPool | None = None,

@@ -350,11 +350,12 @@ class RolloutWorker:
 
     def _sandbox_tools(self) -> tuple:
         """(sandbox factory, grade, episode config) over this worker's pools, created on first use; the
-        episode's turn limit is rollout.max_turns."""
+        episode's turn limit is rollout.max_turns, its grading's tests get the task's measured budget capped
+        by env.grading_timeout_s (envs.grading.grading_timeout)."""
         import functools
 
         from envs.episode import EpisodeConfig
-        from envs.grading import grade_patch
+        from envs.grading import grade_in_budget
         from envs.pool import GraderPool, SandboxPool
 
         if self._sandboxes is None:
@@ -365,7 +366,7 @@ class RolloutWorker:
         def factory(task):
             return pool.sandbox(task.image, labels={"flashpost.task_id": task.task_id})
 
-        grade = functools.partial(grade_patch, pool=self._graders, timeout_s=self.env_cfg.grading_timeout_s)
+        grade = functools.partial(grade_in_budget, pool=self._graders, cap_s=self.env_cfg.grading_timeout_s)
         return factory, grade, EpisodeConfig(max_turns=self.rollout_cfg.max_turns, wall_time_s=300.0)
 
     def stats(self) -> dict[str, float]:

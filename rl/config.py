@@ -251,6 +251,9 @@ class EnvConfig:
     workspace_mb: int = 256
     max_concurrent: int = 4
     exec_timeout_s: float = 30.0
+    # the upper bound of a grading's tests: a task whose source measured a grading budget when it verified
+    # it (verification["grading_budget_s"]: the factory's inspector, the demo's families) gets that budget
+    # when smaller (envs.grading.grading_timeout), so an endless loop costs a few times the task's tests
     grading_timeout_s: float = 120.0
 
 

@@ -42,11 +42,12 @@ class DemoConfig:
     # A family episode's longest call (edit) is 38-44 tokens: 48 new tokens a turn leave room, and an untrained
     # policy's babble ends sooner; 5 turns hold view -> edit -> tests -> submit, or view -> a failed edit ->
     # tests -> a second edit -> tests (an episode that ends at the turn limit is graded too).
-    # A grading's tests get 20 s, not 120: the demo's tests run in about a second, and an edit that makes a
-    # loop endless (the agent's own test runner stops each test after 1 s) held its RL step for the whole
-    # timeout, every episode of the step waiting on that one grading.
+    # No grading timeout here: each family task's grading budget, measured when the families source grades
+    # its template's gold patch (synth/taskset_sources.py `family_grading_budgets`), bounds its gradings
+    # below env.grading_timeout_s, so an edit that makes a loop endless (the agent's own test runner stops
+    # each test after 1 s, the grader has no per-test limit) holds its RL step for seconds, not the cap.
     jobs: list[str] = _list("model=tiny_demo", "++rollout.prefill_mode=ced", "++rollout.max_turns=5",
-                            "++rollout.max_new_tokens=48", "++env.grading_timeout_s=20")
+                            "++rollout.max_new_tokens=48")
     # env.max_concurrent covers every episode admission control lets run at once ((lag + 1) x groups_per_step x
     # group_size = 32), so all of them decode in one batch instead of waiting for a sandbox slot
     train: list[str] = _list("++trainer.simulate_replay=true", "++trainer.optim.compile_muon=false",

@@ -441,14 +441,14 @@ async def run_sandbox_episode(
 def sandbox_episode_kwargs(template: ChatTemplate, max_seq_len: int, max_new_tokens: int,
                            sandbox_factory: Callable | None, grade: Callable | None, episode_config: Any) -> dict:
     """run_episode's keyword arguments: its token budget in real tokens, with room for one more generation and
-    template overhead; the grader (pristine by default) and the sandbox factory."""  # fmt: skip
+    template overhead; the grader (by default pristine, in the task's budget) and the sandbox factory."""  # fmt: skip
     from envs.episode import EpisodeConfig
-    from envs.grading import grade_patch
+    from envs.grading import grade_in_budget
 
     config = episode_config or EpisodeConfig(max_turns=4, wall_time_s=300.0)
     config.max_tokens = min(config.max_tokens, max_seq_len - max_new_tokens - 64)
     tokenizer = template.tokenizer
-    kwargs: dict[str, Any] = {"config": config, "grade": grade or grade_patch,
+    kwargs: dict[str, Any] = {"config": config, "grade": grade or grade_in_budget,
                               "count_tokens": lambda text: len(tokenizer.encode(text)) + 4}
     if sandbox_factory is not None:
         kwargs["sandbox_factory"] = sandbox_factory

@@ -12,7 +12,9 @@ Sources (SOURCES, the `--source` of `flashpost-factory build`):
 A demonstration of a sandbox task is a real episode (envs/episode.py) in the task's image: the solver's
 patch is replayed as tool calls (run the tests, apply the patch, run them again, submit) and kept only
 when the pristine grader gives it reward 1, so its observations are what the agent would see (family
-scripts run in warm sandboxes and are graded in one batch: `replay_family_demos`).
+scripts run in warm sandboxes and are graded in one batch: `replay_family_demos`). A family task's
+grading budget is measured by grading a gold patch of its template (`family_grading_budgets`); the
+factory's tasks carry the inspector's (synth/stages/inspect.py); fixture and toy tasks record none.
 Not here: the on-disk format (synth/taskset.py) or the factory stages (synth/stages/).
 """
 
@@ -185,6 +187,33 @@ def replay_family_demos(jobs: list[tuple[Any, list[dict[str, Any]], str]], *, sa
     return out
 
 
+def family_grading_budgets(tasks: list, progress: bool = True) -> None:
+    """Set each family task's verification["gold_grading_s"] and ["grading_budget_s"] (envs/grading.py
+    `grading_budget`) from one grading of the gold patch of the first task of its template, in a pristine
+    grader through pytest, as episodes are graded (the demonstrations' batch grader runs the tests without
+    pytest, far faster than an episode's grading). One per template: every instance of a template runs
+    the template's correct code, renamed, on the same calls and asserts, so they share its time. A gold
+    patch that does not score 1 stops the build."""
+    from envs.grading import GRADING_BUDGET_KEY, grading_budget
+    from envs.pool import GraderPool
+    from synth.testrun import run_suite
+
+    first: dict[int, Any] = {}
+    for t in tasks:
+        first.setdefault(t.verification["template"], t)
+    seconds = {}
+    with GraderPool(max_graders=1) as pool:
+        for template, task in tqdm(sorted(first.items()), desc="gold gradings", unit="template", disable=not progress):
+            run = run_suite(task, task.gold_patch, pool=pool)
+            if run.reward != 1.0:
+                raise TaskSetError(f"the gold patch of family task {task.task_id} (template {template}) scored 0 "
+                                   f"in the grader: {run.why_not_run()}")  # fmt: skip
+            seconds[template] = round(run.grading_s, 3)
+    for t in tasks:
+        gold_s = seconds[t.verification["template"]]
+        t.verification |= {"gold_grading_s": gold_s, GRADING_BUDGET_KEY: grading_budget([gold_s])}
+
+
 def _demos(rows: list[TaskRow], patches: dict[str, dict[str, str]], progress: bool) -> list[Demo]:
     """Replayed demonstrations for {task id: {solver: patch}}."""
     by_id = {r.id: r for r in rows}
@@ -317,7 +346,8 @@ def families_source(n_a: int = 8, n_b: int = 4, n_heldout: int = 4, seed: int = 
     instances of each family (fresh draws of the same templates, never equal to a train instance:
     DEMO_NOTES' held-out measure; family B's templates are never demonstrated). Every family-A train task
     gets a replayed demonstration (synth.families via `family_script`), `recovery_share` of them with a
-    failed first edit and its recovery where the instance has a plausible wrong edit."""
+    failed first edit and its recovery where the instance has a plausible wrong edit. Every task gets a
+    measured grading budget (`family_grading_budgets`)."""
     import random
 
     from synth.families import family_tasks, wrong_edits
@@ -325,6 +355,7 @@ def families_source(n_a: int = 8, n_b: int = 4, n_heldout: int = 4, seed: int = 
     instances = _family_instances(n_a, n_b, n_heldout, seed)
     print(f"[flashpost] families: {len(instances)} instances; building their image")
     tasks = family_tasks(instances)
+    family_grading_budgets(tasks, progress)
     recipe = {"kind": "families", "n_a": n_a, "n_b": n_b, "n_heldout": n_heldout, "seed": seed}
     rows = [_sandbox_row(t, env="sandbox", source={"generator": "families", "seed": seed}, family=inst.family,
                          group=inst.iid, split=inst.split, image_recipe=recipe)

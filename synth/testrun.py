@@ -28,7 +28,8 @@ class SuiteRun:
     agreement: bool = False  # exit code, report and console agree
     reward: float = 0.0  # 1.0 iff every f2p passes and every p2p still passes
     reason: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole call, waiting for a grader included
+    grading_s: float = 0.0  # the grader's own time for the run: what a grading timeout bounds
     console: str = ""  # the end of pytest's console output (why a suite did not run)
 
     def why_not_run(self) -> str:
@@ -68,6 +69,7 @@ def run_suite(task: Task, patch: str, *, pool: GraderPool | None = None, timeout
     """Grade `patch` against `task` (fresh grader, or a warm one from pool) and keep the messages."""
     t0 = time.monotonic()
     res, out = grade_patch_output(task, patch, pool=pool, timeout_s=timeout_s)
+    seconds = time.monotonic() - t0
     out = out or {}
     return SuiteRun(dict(res.tests), junit_messages(out.get("junit")), res.agreement, res.reward, res.reason,
-                    time.monotonic() - t0, (out.get("console") or "")[-8000:])
+                    seconds, out.get("runner_s", seconds), (out.get("console") or "")[-8000:])

@@ -7,8 +7,10 @@ every F2P test fails), adversarial (every canned hack of envs/hacks.py scores 0)
 failure lines the statement quotes are what the verifier's F2P tests really print on the unfixed
 code), solver trajectories (a passing solver patch must be non-empty and touch the file the bug is
 in, else the tests can be satisfied by a bypass; a passing episode must not have read git history,
-edited tests, or read outside the workspace: `trajectory_flags`). Repair: flaky or null-passing tests
-are removed from P2P/F2P while at least one F2P test remains, and the gates rerun; anything else drops.
+edited tests, or read outside the workspace: `trajectory_flags`). The gold runs' times in the grader
+set the task's grading budget (verification["grading_budget_s"], envs/grading.py `grading_budget`).
+Repair: flaky or null-passing tests are removed from P2P/F2P while at least one F2P test remains, and
+the gates rerun; anything else drops.
 Not here: building images (build) or solving (solve).
 """
 
@@ -19,7 +21,7 @@ import json
 import re
 import time
 
-from envs.grading import grade_patch, is_protected
+from envs.grading import GRADING_BUDGET_KEY, grade_patch, grading_budget, is_protected
 from envs.hacks import HACKS, gold_source_files
 from envs.pool import GraderPool
 from envs.task import Task, TaskSchemaError, validate_task
@@ -67,6 +69,7 @@ def run_gates(task: Task, rec: TaskRecord, files: dict[str, bytes], pool: Grader
     ctx.note("null run")
     null = run_suite(task, "", pool=pool)
     v: dict = {"gold_rewards": [g.reward for g in gold[:opts.gold_runs]]}
+    v["gold_runs_s"] = [round(g.grading_s, 3) for g in gold]  # each gold run's time in the grader: the budget
     v["gold_gate"] = all(g.reward == 1.0 for g in gold[:opts.gold_runs])
     v["flake_rates"] = flip_rates([g.statuses for g in gold], task.test_ids)
     v["flaky"] = sorted(t for t, r in v["flake_rates"].items() if r > 0)
@@ -219,6 +222,8 @@ def process(rec: TaskRecord, ctx: Context) -> TaskRecord:
         "inspector_verdicts": {"hack_rewards": v["hack_rewards"], "gold_rewards": v["gold_rewards"],
                                "null_reward": v["null_reward"], "repairs": repairs},
         "audit_hash": audit_hash, "audit": rec.audit,
+        # the slowest gold run in the grader, and what an episode's grading of this task may take
+        "gold_grading_s": max(v["gold_runs_s"]), GRADING_BUDGET_KEY: grading_budget(v["gold_runs_s"]),
     }
     out.task, out.seconds = task.to_dict(), time.monotonic() - t0
     if reason:

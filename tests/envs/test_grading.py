@@ -1,19 +1,34 @@
-"""Grading: gold scores 1, empty scores 0, every canned hack scores 0, attacks stay contained."""
+"""Grading: gold scores 1, empty scores 0, every canned hack scores 0, attacks stay contained, and a
+task's tests run under its measured budget when that is below the caller's cap."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from envs import engine
-from envs.fixtures.build import fixture_tasks
-from envs.grading import grade_patch, grade_sandbox, parse_console, parse_junit
+from envs.fixtures.build import fixture_tasks, repo_files
+from envs.grading import (
+    GRADING_BUDGET_FLOOR_S,
+    GRADING_BUDGET_KEY,
+    GRADING_BUDGET_MARGIN,
+    grade_in_budget,
+    grade_patch,
+    grade_sandbox,
+    grading_budget,
+    grading_timeout,
+    parse_console,
+    parse_junit,
+)
 from envs.hacks import HACKS, apply_hack
 from envs.patches import is_protected
 from envs.pool import GraderPool
 from envs.sandbox import Sandbox
+from envs.task import load_tasks
+from synth.patches import edits_to_patch
 
 # ---------------------------------------------------------------------- host-side parsing
 
@@ -36,6 +51,17 @@ def test_parse_console_and_junit():
            b"<failure message='failed'/></testcase></testsuite></testsuites>")
     assert parse_junit(xml) == {"tests/test_a.py::TestC::test_x[1]": "passed",
                                 "tests/test_a.py::test_y": "failed"}
+
+
+def test_a_task_with_a_budget_below_the_cap_is_graded_under_its_budget():
+    task = load_tasks("envs/fixtures/tasks.json")[0]
+    assert GRADING_BUDGET_KEY not in task.verification and grading_timeout(task, 120.0) == 120.0  # none: the cap
+    timed = dataclasses.replace(task, verification={**task.verification, GRADING_BUDGET_KEY: 10.0})
+    assert grading_timeout(timed, 120.0) == 10.0
+    assert grading_timeout(timed, 5.0) == 5.0  # the cap stays the user's upper bound
+    # the budget from the slowest gold grading: the margin over it, never under the floor
+    assert grading_budget([0.2, 0.4]) == GRADING_BUDGET_FLOOR_S
+    assert grading_budget([1.0, 3.0]) == 3.0 * GRADING_BUDGET_MARGIN
 
 
 # ------------------------------------------------------------------------ real containers
@@ -138,3 +164,18 @@ def test_fork_bomb_in_grading_leaves_others_responsive(tasks, pool):
     assert result["r"].reward == 0.0
     assert worst < 8.0
     assert grade_patch(task, task.gold_patch, pool=pool).reward == 1.0  # the pool recovered
+
+
+@docker
+def test_an_endless_loop_is_stopped_at_the_task_s_budget_not_the_cap(tasks, pool):
+    task = next(t for t in tasks if t.task_id == "calkit-merge-touching")
+    path = "calkit/intervals.py"
+    source = repo_files()[path]
+    endless = source.decode().replace("    merged: list[tuple[int, int]] = []\n", "    while True:\n        pass\n", 1)
+    patch = edits_to_patch({path: source}, {path: endless})
+    budgeted = dataclasses.replace(task, verification={**task.verification, GRADING_BUDGET_KEY: 3.0})
+    t0 = time.monotonic()
+    r = grade_in_budget(budgeted, patch, pool=pool, cap_s=120.0)
+    assert r.reward == 0.0 and "pytest timed out" in r.reason, r.reason
+    assert time.monotonic() - t0 < 30.0, "the grading waited for the cap, not the task's 3 s budget"
+    assert grade_in_budget(budgeted, task.gold_patch, pool=pool, cap_s=120.0).reward == 1.0

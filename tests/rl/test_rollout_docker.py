@@ -1,6 +1,7 @@
 """Sandbox rollouts (envs/episode.py in real Docker containers) through the token-in/token-out policy:
 a group whose member's sandbox cannot start marks that member infra-failed, the others are graded,
-and the group's statistics exclude the crashed one. Tokens equal the template rendering with tools."""
+and the group's statistics exclude the crashed one. Tokens equal the template rendering with tools. The
+worker grades a task under its measured budget, not the cap."""
 
 from __future__ import annotations
 
@@ -75,3 +76,30 @@ def test_worker_episodes_stop_at_rollout_max_turns():
     worker = RolloutWorker(DEBUG, RolloutConfig(max_turns=3))
     assert worker._sandbox_tools()[2].max_turns == 3
     assert RolloutWorker(DEBUG, RolloutConfig(max_turns=7))._sandbox_tools()[2].max_turns == 7
+
+
+def test_worker_grades_a_task_under_its_budget_not_the_cap(fixture_task):
+    """The rollout worker's grading (the RL job's and the evaluator's) stops an endless loop at the task's
+    measured budget (verification["grading_budget_s"]), not at env.grading_timeout_s."""
+    import time
+
+    from envs.fixtures.build import repo_files
+    from envs.grading import GRADING_BUDGET_KEY
+    from rl.actors import RolloutWorker
+    from rl.config import EnvConfig, RolloutConfig
+    from synth.patches import edits_to_patch
+
+    path = "calkit/intervals.py"
+    assert fixture_task.task_id == "calkit-merge-touching"
+    source = repo_files()[path]
+    endless = source.decode().replace("    merged: list[tuple[int, int]] = []\n", "    while True:\n        pass\n", 1)
+    task = dataclasses.replace(fixture_task, verification={**fixture_task.verification, GRADING_BUDGET_KEY: 3.0})
+    worker = RolloutWorker(DEBUG, RolloutConfig(), EnvConfig(grading_timeout_s=120.0))
+    try:
+        grade = worker._sandbox_tools()[1]
+        t0 = time.monotonic()
+        r = grade(task, edits_to_patch({path: source}, {path: endless}))
+        assert r.reward == 0.0 and "pytest timed out" in r.reason, r.reason
+        assert time.monotonic() - t0 < 30.0, "the grading waited for env.grading_timeout_s, not the task's budget"
+    finally:
+        worker.close()

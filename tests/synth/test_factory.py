@@ -1,7 +1,8 @@
 """The factory against real containers: the sample repository yields tasks that pass every gate, an
 interrupted stage resumes without redoing work, and each bad task built on purpose is caught by the
 stage responsible for it (image leak -> build, statement leak -> specify, flaky F2P and null-solvable
--> inspect). Small budgets keep this suite to a few minutes.
+-> inspect); an accepted task carries the grading budget its gold runs measured. Small budgets keep this
+suite to a few minutes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import textwrap
 
 import pytest
 
+from envs.grading import GRADING_BUDGET_FLOOR_S, grading_budget, grading_timeout
 from envs.task import load_tasks
 from synth import mutations
 from synth.config import Context, FactoryOptions
@@ -45,6 +47,7 @@ def load(out, stage, cls):
 def test_sample_build_passes_every_gate(run_dir):
     out, result = run_dir
     tasks = load_tasks(out / "tasks.json")
+    inspected = {r.task["task_id"]: r for r in load(out, "inspect", TaskRecord) if r.ok}
     assert len(tasks) == 2 == result["tasks_saved"] and result["tasks"] >= 2  # the budget, not more
     for t in tasks:
         gates = t.verification["gates"]
@@ -55,6 +58,11 @@ def test_sample_build_passes_every_gate(run_dir):
         hacks = t.verification["inspector_verdicts"]["hack_rewards"]
         assert hacks and all(r in (0.0, "skipped (slow)") for r in hacks.values())
         assert t.gold_patch not in t.problem_statement
+        # the budget of its gradings: from the slowest of its 3 gold runs in the grader, below the 120 s cap
+        gold_s = inspected[t.task_id].verdicts["gold_runs_s"]
+        assert len(gold_s) == 3 and min(gold_s) > 0 and t.verification["gold_grading_s"] == max(gold_s)
+        assert t.verification["grading_budget_s"] == grading_budget(gold_s) >= GRADING_BUDGET_FLOOR_S
+        assert grading_timeout(t, 120.0) == t.verification["grading_budget_s"] < 120.0
     f = result["funnel"]
     assert f["specify"]["out"] == f["build"]["in"] and f["inspect"]["out"] == result["tasks"]
 

@@ -1,7 +1,7 @@
 """The demo families as multi-turn episodes: the task statement, the agent's quick test runner
 (envs/check_runner.py), wrong first edits and their corrections, and (against real containers) the
 replayed demonstrations: look -> edit -> tests pass -> submit, some with a failed edit and a recovery,
-each kept only when the pristine batch grader gives it reward 1."""
+each kept only when the pristine batch grader gives it reward 1, and every task's measured grading budget."""
 
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ def test_family_scripts_are_terse_tool_calls(train_a):
 @pytest.mark.docker
 def test_replayed_demonstrations_look_edit_read_and_some_recover(tmp_path):
     from envs import engine
+    from envs.grading import GRADING_BUDGET_FLOOR_S, grading_budget
     from synth import taskset
     from synth.taskset_sources import families_source
 
@@ -109,6 +110,17 @@ def test_replayed_demonstrations_look_edit_read_and_some_recover(tmp_path):
     ts = taskset.load(tmp_path / "set")
     rows = {r.id: r for r in ts.tasks}
     assert sorted((r.family, r.split) for r in ts.tasks).count(("A", "heldout")) == 2
+    # every task, A and B, train and held-out, carries the budget its template's gold grading measured
+    assert {(r.family, r.split) for r in ts.tasks} == {("A", "train"), ("A", "heldout"), ("B", "train"),
+                                                       ("B", "heldout")}  # fmt: skip
+    for r in ts.tasks:
+        gold_s = r.verification["gold_grading_s"]
+        assert 0 < gold_s < 60 and r.verification["grading_budget_s"] == grading_budget([gold_s]), r.id
+        assert r.verification["grading_budget_s"] >= GRADING_BUDGET_FLOOR_S
+    by_template: dict[int, set[float]] = {}
+    for r in ts.tasks:
+        by_template.setdefault(r.verification["template"], set()).add(r.verification["gold_grading_s"])
+    assert all(len(s) == 1 for s in by_template.values())  # one measurement per template
     assert {rows[d.task_id].family for d in ts.demos} == {"A"} and len(ts.demos) == 6
     assert {d.solver for d in ts.demos} == {"gold", "recovery"}
     for d in ts.demos:

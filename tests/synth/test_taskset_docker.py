@@ -71,6 +71,8 @@ def _hunks_new_and_old(patch: str) -> tuple[list[str], list[str]]:
 
 
 def test_fixtures_and_families_load_through_the_trainers_reader(fixture_set, tmp_path, monkeypatch):
+    from envs.grading import grading_timeout
+    from envs.task import Task
     from rl.config import JobConfig
     from rl.rl_loop import load_tasks
     from rl.tasks import demo_conversations, read
@@ -84,6 +86,9 @@ def test_fixtures_and_families_load_through_the_trainers_reader(fixture_set, tmp
         assert all(r.f2p and r.gold_patch and r.image_recipe["kind"] in ("fixture", "families") for r in ts.tasks)
         payloads = load_tasks(JobConfig(tasks=str(path)), progress=False)
         assert payloads and all(p["task"]["gold_patch"] == "" and p["env"] == "sandbox" for p in payloads)
+        # a rollout worker grades a family task under its measured budget, a fixture task under the cap
+        timeouts = {grading_timeout(Task(**p["task"]), 120.0) for p in payloads}
+        assert timeouts == {120.0} if families == {"fixtures"} else max(timeouts) < 120.0, timeouts
         assert {p["task_id"] for p in payloads} == {r.id for r in ts.tasks if r.split == "train"}
         demos = [d for d in ts.demos]
         assert demos, "verified demonstrations are recorded"
