@@ -11,7 +11,9 @@ envs/grading.py in a pristine container, never from here. Parsing the wire forma
 from __future__ import annotations
 
 import base64
+import dataclasses
 import posixpath
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -183,10 +185,23 @@ def run_bash(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
     return _run_shell(sb, args["command"], timeout, ctx)
 
 
+# The end of pytest's summary line: " in 0.08s" or " in 61.12s (0:01:01)", then its closing "=" rule if any.
+_PYTEST_RUN_TIME = re.compile(r" in \d+(?:\.\d+)?s(?: \(\d+:\d\d:\d\d\))?(?=(?: =+)?$)", re.MULTILINE)
+
+
+def drop_run_time(output: str) -> str:
+    """`output` without pytest's run time on its summary line ("1 failed, 49 passed in 0.08s" ->
+    "1 failed, 49 passed"): the time is the machine's, not the workspace's, so with it the same
+    workspace would give a different observation on every run, and the demonstrations recorded from
+    these observations (and every SFT run on them) would differ between two builds of one task set."""
+    return _PYTEST_RUN_TIME.sub("", output)
+
+
 def run_tests(sb: Sandbox, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
     if not ctx.test_command:
         return _error("this task has no test command; use bash to run tests")
-    return _run_shell(sb, ctx.test_command, _timeout(ctx, ctx.config.run_tests_timeout_s), ctx)
+    res = _run_shell(sb, ctx.test_command, _timeout(ctx, ctx.config.run_tests_timeout_s), ctx)
+    return dataclasses.replace(res, output=drop_run_time(res.output))
 
 
 def _run_shell(sb: Sandbox, command: str, timeout: float, ctx: ToolContext) -> ToolResult:

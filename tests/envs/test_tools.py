@@ -8,7 +8,15 @@ import pytest
 from envs import engine
 from envs.protocol import ToolCall
 from envs.sandbox import Sandbox
-from envs.tools import TOOLS, ToolConfig, ToolContext, execute_tool_call, tool_schemas, validate_arguments
+from envs.tools import (
+    TOOLS,
+    ToolConfig,
+    ToolContext,
+    drop_run_time,
+    execute_tool_call,
+    tool_schemas,
+    validate_arguments,
+)
 
 # ------------------------------------------------------------------------------------ pure
 
@@ -268,6 +276,21 @@ def test_run_tests_runs_the_task_command_and_is_only_feedback(sb):
     assert res.exit_code == 1 and not res.ends_episode
     assert res.output == "collected 2 items\n[exit code: 1]"
     assert "no test command" in call(sb, "run_tests").output
+
+
+def test_drop_run_time_keeps_the_counts_and_drops_the_seconds():
+    assert drop_run_time("1 failed, 49 passed in 0.08s\n[exit code: 1]") == "1 failed, 49 passed\n[exit code: 1]"
+    assert drop_run_time("===== 3 passed, 1 warning in 61.12s (0:01:01) =====") == "===== 3 passed, 1 warning ====="
+    assert drop_run_time("12 passed in 2s") == "12 passed"
+    # only the end of a line: a test's own text that mentions seconds stays as it was
+    text = "assert wait(3) == 'done in 3.0s' (got 'done in 2.0s')\nFAILED test_wait"
+    assert drop_run_time(text) == text
+
+
+@pytest.mark.docker
+def test_run_tests_shows_no_run_time(sb):
+    ctx = ToolContext(config=ToolConfig(), test_command="echo '1 failed, 2 passed in 0.31s'; exit 1")
+    assert call(sb, "run_tests", ctx).output == "1 failed, 2 passed\n[exit code: 1]"
 
 
 @pytest.mark.docker
