@@ -23,3 +23,19 @@ def test_quick_mode_decodes_mixed_lengths_in_one_forward_per_step():
     assert mixed["prefill_forwards"] == 1  # one ragged CED prefill for every length
     assert all(r["forwards_per_decode_step"] == 1 for r in rows)
     assert all(r["decode_tokens_per_s"] > 0 and r["floor_ms_per_step"] > 0 for r in rows)
+
+
+def test_profile_rows_follow_their_engine_rows_and_leave_them_as_they_were():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.engine_throughput", "--device", "cpu", "--flavor", "debug", "--quick",
+           "--threads", "1", "--sessions", "4", "--prefill-mode", "full", "--profile"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["engine"] for r in rows] == ["flashpost", "profile"]
+    engine, prof = rows
+    # the profiled steps come after the row's counters are read: still one forward per decode step
+    assert engine["forwards_per_decode_step"] == 1
+    assert prof["sessions"] == 4 and prof["steps"] > 0 and prof["wall_ms_per_step"] > 0
+    assert prof["kernel_busy_ms_per_step"] == 0 and prof["top_kernels"] == []  # no device kernels on CPU
+    names = [name for name, _, _ in prof["top_host"]]
+    assert len(names) > 0 and all(ms >= 0 for _, ms, _ in prof["top_host"])
