@@ -33,7 +33,7 @@ class DemoConfig:
     # `eval`, whose greedy episodes are all alike). SFT needs ~100 steps of 6 before the edit's arguments
     # follow the task (the line from the statement, the text from the viewed line; 60 left them constant)
     sft_steps: int = 150
-    rl_steps: int = 16  # updates of 2 groups of 8 episodes each: 311-329 s on 2 cores (docs/demo_measurements.md)
+    rl_steps: int = 16  # updates of 2 groups of 8 episodes each: 311-363 s on 2 cores (docs/demo_measurements.md)
     student_sft_steps: int = 20
     opd_steps: int = 4
     eval_samples: int = 1
