@@ -97,6 +97,12 @@ def grading_budget(gold_s: list[float]) -> float:
     return round(max(GRADING_BUDGET_FLOOR_S, GRADING_BUDGET_MARGIN * max(gold_s)), 1)
 
 
+def budget_fields(gold_s: list[float]) -> dict[str, float]:
+    """What a source that timed a task's gold gradings (`gold_s`, the grader's own seconds) writes into its
+    verification: the slowest ("gold_grading_s") and the budget it gives (GRADING_BUDGET_KEY)."""
+    return {"gold_grading_s": round(max(gold_s), 3), GRADING_BUDGET_KEY: grading_budget(gold_s)}
+
+
 def grading_timeout(task: Task, cap_s: float) -> float:
     """The test timeout of a grading of `task`: its measured budget (verification["grading_budget_s"],
     written by the source that verified it: the factory's inspect stage, the demo's families) when it is

@@ -194,7 +194,7 @@ def family_grading_budgets(tasks: list, progress: bool = True) -> None:
     pytest, far faster than an episode's grading). One per template: every instance of a template runs
     the template's correct code, renamed, on the same calls and asserts, so they share its time. A gold
     patch that does not score 1 stops the build."""
-    from envs.grading import GRADING_BUDGET_KEY, grading_budget
+    from envs.grading import budget_fields
     from envs.pool import GraderPool
     from synth.testrun import run_suite
 
@@ -210,8 +210,7 @@ def family_grading_budgets(tasks: list, progress: bool = True) -> None:
                                    f"in the grader: {run.why_not_run()}")  # fmt: skip
             seconds[template] = round(run.grading_s, 3)
     for t in tasks:
-        gold_s = seconds[t.verification["template"]]
-        t.verification |= {"gold_grading_s": gold_s, GRADING_BUDGET_KEY: grading_budget([gold_s])}
+        t.verification |= budget_fields([seconds[t.verification["template"]]])
 
 
 def _demos(rows: list[TaskRow], patches: dict[str, dict[str, str]], progress: bool) -> list[Demo]:

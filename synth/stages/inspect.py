@@ -21,7 +21,7 @@ import json
 import re
 import time
 
-from envs.grading import GRADING_BUDGET_KEY, grade_patch, grading_budget, is_protected
+from envs.grading import budget_fields, grade_patch, is_protected
 from envs.hacks import HACKS, gold_source_files
 from envs.pool import GraderPool
 from envs.task import Task, TaskSchemaError, validate_task
@@ -223,7 +223,7 @@ def process(rec: TaskRecord, ctx: Context) -> TaskRecord:
                                "null_reward": v["null_reward"], "repairs": repairs},
         "audit_hash": audit_hash, "audit": rec.audit,
         # the slowest gold run in the grader, and what an episode's grading of this task may take
-        "gold_grading_s": max(v["gold_runs_s"]), GRADING_BUDGET_KEY: grading_budget(v["gold_runs_s"]),
+        **budget_fields(v["gold_runs_s"]),
     }
     out.task, out.seconds = task.to_dict(), time.monotonic() - t0
     if reason:
