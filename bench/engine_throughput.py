@@ -119,8 +119,10 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 2 * PROFILE_STEPS + 8,
                              prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed)  # fmt: skip
-    warm = engine.start(prompts[0])  # first-call allocations, rope tables
-    engine.generate([warm], 2, temperature=1.0, stop_ids=(), seed=0)
+    # first-call allocations, rope tables; one token (drawn from the prefill's logits): no decode step,
+    # so a compiled engine compiles only the bucket of the row's sessions
+    warm = engine.start(prompts[0])
+    engine.generate([warm], 1, temperature=1.0, stop_ids=(), seed=0)
     engine.close(warm)
     sids = [engine.start(p) for p in prompts]
     calls_p = engine.stats["forward_calls"]
@@ -268,8 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens of the baseline (default: --new-tokens)")
     p.add_argument("--cuda-graphs", default="both", choices=("on", "off", "both", "none"),
                    help="CUDA: the engine with decode graphs, eager, both, or none (baseline only)")  # fmt: skip
-    p.add_argument("--compile", default="off", choices=("on", "off", "both"),
-                   help="graph engines (CPU: the engine): the compiled decode step, the uncompiled, both")  # fmt: skip
+    p.add_argument("--compile", default=None, choices=("on", "off", "both"),
+                   help="graph engines (CPU: the engine): the compiled decode step, the uncompiled, both "
+                        "(default: the engine's own choice, compiled with graphs, uncompiled on CPU)")  # fmt: skip
     p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
@@ -290,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     rate = copy_gb_per_s(device)
     modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
     modes = modes if device.type == "cuda" else (False,)
-    compiles = {"on": (True,), "off": (False,), "both": (False, True)}[a.compile]  # the baseline first
+    compile_default = "on" if device.type == "cuda" else "off"  # the engine's default: compiled where graphs are
+    compiles = {"on": (True,), "off": (False,), "both": (False, True)}[a.compile or compile_default]  # baseline first
     engines = [(g, c) for g in modes for c in (compiles if g or device.type == "cpu" else (False,))]
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)

@@ -11,8 +11,8 @@ the start of a generate call feeds) are fed in ragged steps of up to `prefill_ch
 over every session with tokens to feed (shorter rows padded, model/ragged_cache.py); the sessions a
 `generate` call decodes are then the rows of one `RaggedBatch` from their first decode step to their
 last, each step feeding every row's newest token in ONE forward (`RaggedBatch.decode`: fixed shapes,
-replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, its layers compiled by inductor with
-`compile_decode=True`, one device-to-host copy of the sampled tokens per step), and a session that
+replayed as CUDA graphs on CUDA unless `cuda_graphs=False`, its layers then compiled by inductor
+unless `compile_decode=False`, one device-to-host copy of the sampled tokens per step), and a session that
 stops leaves the batch between steps with its cache. A generate call whose sessions lack only their
 newest token starts with such a decode step. CED prefill (model/ced.py `ced_prefill_ragged`) is
 ragged too: every session's unfed tokens, whatever their positions and counts, in ragged encoder
@@ -162,11 +162,12 @@ class InferenceEngine(SpeculativeDecoding):
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
         # compile_decode: decode steps run model.forward_ragged with its layers compiled by inductor
         # (model/ragged_cache.py compile_decode: one compile per kind of layer and graph bucket, fewer
-        # buckets), captured by the graphs. Off by default: on the H200 a compiled `small` step runs in
-        # 59% of the graph step's time at 1 session, but each bucket compiles for ~2 minutes, and the
-        # larger buckets are not yet measured there (docs/engine_throughput.md)
+        # buckets, shared by the process's engines), captured by the graphs. On wherever the graphs
+        # are: on an H100 a compiled `small` step takes 66-68% of the graph step's time at 1 and 64
+        # sessions (docs/engine_throughput.md); the price is a compile the first time a bucket runs
+        # (~100 s for 1 row, ~240 s for 64)
         if compile_decode is None:
-            compile_decode = False
+            compile_decode = cuda_graphs
         if compile_decode and record_routing:
             raise ValueError("record_routing records in Python, which a compiled step skips: pass compile_decode=False")
         self.graphs = GraphPool(COMPILED_BUCKETS if compile_decode else GRAPH_BUCKETS) if cuda_graphs else None

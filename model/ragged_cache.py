@@ -22,7 +22,8 @@ replay CUDA graphs: the batch's tensors then live in the pool's storage of `capa
 smallest bucket >= the rows; the rest padding rows at position 0), each step's cache updates are
 copied back into that storage inside the graph, one graph per bucket of live rows, reused by later
 batches of the same shapes. `compile_decode` gives the decode forward with its layers compiled by
-inductor (fused kernels, static shapes per bucket, one compile per kind of layer), which a pool
+inductor (fused kernels, static shapes per bucket, one compile per kind of layer, which later
+engines of the process reuse), which a pool
 captures as it would the eager one.
 CED prefill (model/ced.py `ced_prefill_ragged`) runs its encoder steps through `step(encoder_only=True)`
 and its decoder replay on the batch's caches (`clear_rings`, `realign`).
@@ -321,8 +322,9 @@ class RaggedBatch:
 
 # live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# with a compiled forward each bucket costs compiles (one per kind of layer): fewer buckets, more
-# padding (a step's time grows far slower than its rows below 256)
+# with a compiled forward each bucket costs compiles (one per kind of layer; for `small` on an H100
+# ~100 s at 1 row, ~240 s at 64): fewer buckets, more padding (a step's time grows far slower than
+# its rows below 256)
 COMPILED_BUCKETS = (1, 4, 16, 64, 128, 256)
 # dynamo backend of compile_decode ("aot_eager" traces the same graphs without inductor's kernels:
 # an ablation of the fusion itself)
@@ -335,12 +337,15 @@ def compile_decode(model: Transformer) -> Callable:
     shapes share one compiled graph, their parameters and caches being its inputs (dynamo's
     inline_inbuilt_nn_modules), so a bucket costs a compile per kind of layer, not one of the whole
     model; the glue around the layers (layout, embedding, head) stays eager. Static shapes (one
-    compile per kind and batch shape, so per bucket), inductor's own CUDA graphs off (a GraphPool
+    compile per kind and batch shape, so per bucket; dynamo's automatic dynamic shapes would make one
+    graph serve every bucket, but on an H100 that graph of `small` did not finish compiling in the
+    ~6 minutes a run left it, where the static 64-row one took 4), inductor's own CUDA graphs off (a GraphPool
     captures the compiled step with the cache copy-backs around it), bf16 rounding of fused
     intermediates kept as eager rounds them (emulate_precision_casts), so compiled steps stay within
     rounding of eager ones. Triton kernels of impl=triton compile in as user kernels; a layer's MoE
     reads expert offset tables refreshed eagerly before each compiled call (kernels/moe.py
-    expert_offsets: a traced region cannot read data pointers)."""
+    expert_offsets: a traced region cannot read data pointers). Dynamo keeps the compiled graphs on
+    `run_layer`'s code object, so a later engine's compile_decode replays them without compiling."""
     # each (kind of layer, bucket, bank size) is a cache entry of run_layer's code object: dynamo's
     # default of 8 would silently leave later ones eager
     cfg = torch._dynamo.config

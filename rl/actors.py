@@ -76,6 +76,7 @@ def build_engine(policy, template, rollout: RolloutConfig, device: torch.device,
     return InferenceEngine(policy.to(device), template, max_sessions=4096, device=device,
                            prefill_mode=rollout.prefill_mode, prefix_cache=prefix, speculative=spec,
                            packed_cache=rollout.live_packed(policy.args.qat),
+                           compile_decode=None if rollout.compile_decode else False,
                            record_routing=record_routing)  # fmt: skip
 
 

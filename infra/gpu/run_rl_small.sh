@@ -17,7 +17,8 @@
 # Sizes: $SFT_STEPS steps of SFT first (default 0: none; see below), $RL_STEPS learner updates (default 3); the rest of the job is conf/ at cluster=h200 (2 groups of
 # 8 episodes per update, up to 4 turns of 64 new tokens), plus env.max_concurrent=16 sandboxes. Extra
 # arguments are Hydra overrides appended last (e.g. ++model.overrides.impl=triton for the Triton kernels
-# and the engine's CUDA-graph decode; figures in docs/h200_rl.md).
+# and the engine's CUDA-graph decode, whose layers then compile per batch bucket, minutes each the
+# first time: add rollout.compile_decode=false to a short timed run; figures in docs/h200_rl.md).
 # What it does not do: build the bundles (docker_bundle.sh, gpu-wheels.sh run on the dev machine).
 set -uo pipefail
 [[ $# -ge 1 ]] || { echo "usage: bash infra/gpu/run_rl_small.sh LABEL [hydra overrides...]" >&2; exit 2; }

@@ -56,7 +56,7 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
     monkeypatch.setattr(ragged_cache.torch, "compile", fake)
     got, engine = _generate(True)
     assert fake.fn is run_layer  # the per-layer call, not the whole forward
-    assert fake.kwargs["dynamic"] is False  # one compile per bucket shape, never a dynamic graph
+    assert fake.kwargs["dynamic"] is False  # one compile per bucket shape (ragged_cache.compile_decode: why)
     # every layer of every decode step (one token per row) and nothing else; the ragged prefill is eager
     step = [(i, len(LENGTHS), 1) for i in range(ARGS.n_layers)]
     assert fake.calls == step * engine.stats["decode_steps"]
@@ -85,9 +85,27 @@ def test_compiled_decode_gives_eager_tokens(backend, monkeypatch):
                                atol=1e-4, rtol=0)  # fmt: skip
 
 
-def test_compile_is_opt_in():
+# dynamo's "eager" backend: the same frames and guards as inductor's without its compile, which is
+# what decides whether a kind of layer compiles again
+def test_engines_of_one_process_share_the_compiled_layers(monkeypatch):
+    monkeypatch.setattr(ragged_cache, "COMPILE_BACKEND", "eager")
+    counters.clear()
+    torch._dynamo.reset()
+    got, first = _generate(True, temperature=0.0)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 7  # one per kind of layer (above)
+    # a second engine of the process (its own torch.compile of run_layer) replays the first one's graphs
+    again, second = _generate(True, temperature=0.0)
+    assert second._decode_forward is not first._decode_forward
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert again == got
+    want, _ = _generate(False, temperature=0.0)
+    assert [t for t, _ in got] == [t for t, _ in want]
+
+
+def test_compile_follows_the_cuda_graphs():
     model = Transformer(ARGS)
     engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()))
-    assert engine._decode_forward is None  # off unless asked for (docs/engine_throughput.md: why)
+    assert engine._decode_forward is None  # CPU: no graphs, no compile unless asked for
     with pytest.raises(ValueError, match="compile_decode=False"):
         InferenceEngine(model, ChatTemplate(Tokenizer.default()), compile_decode=True, record_routing=True)
