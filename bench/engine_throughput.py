@@ -18,9 +18,10 @@ sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwa
 graph_captures, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model calls
 per decode step), bytes_per_step (weights a decode step touches at this batch + every session's
 cache, packed format), copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step =
-bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); --compile both
-adds graph engines with the compiled step (a compile that fails is an "error" row); --quick runs both
-prefill modes. A compiled engine's row adds what dynamo did for it: graph_breaks, compiled_graphs,
+bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); graph engines
+compile their decode layers as the engine does by default (--compile off: uncompiled graph engines,
+--compile both: the two side by side, the uncompiled first; a compile that fails is an "error" row);
+--quick runs both prefill modes. A compiled engine's row adds what dynamo did for it: graph_breaks, compiled_graphs,
 compiled_frames (frames compiled: one per kind of layer and batch shape) and compile_s (seconds in
 dynamo and inductor, which fall in warm-up). On CPU, --compile applies to the eager engine.
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
