@@ -114,12 +114,13 @@ def dynamo_totals() -> dict:
 
 
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
-               compiled: bool = False, packed: bool = False, profile: list | None = None) -> dict:  # fmt: skip
+               compiled: bool | None = None, packed: bool = False, profile: list | None = None) -> dict:  # fmt: skip
     n = len(prompts)
     before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 2 * PROFILE_STEPS + 8,
                              prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed)  # fmt: skip
+    compiled = engine._decode_forward is not None  # None above: the engine's own choice
     # first-call allocations, rope tables; one token (drawn from the prefill's logits): no decode step,
     # so a compiled engine compiles only the bucket of the row's sessions
     warm = engine.start(prompts[0])
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     rate = copy_gb_per_s(device)
     modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]
     modes = modes if device.type == "cuda" else (False,)
-    compile_default = "on" if device.type == "cuda" else "off"  # the engine's default: compiled where graphs are
-    compiles = {"on": (True,), "off": (False,), "both": (False, True)}[a.compile or compile_default]  # baseline first
+    # None: the engine's own choice; "both": the baseline first
+    compiles = {None: (None,), "on": (True,), "off": (False,), "both": (False, True)}[a.compile]
     engines = [(g, c) for g in modes for c in (compiles if g or device.type == "cpu" else (False,))]
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                     row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed,
                                      prof)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
-                    if not compiled:
+                    if not compiled:  # the default path (None) and uncompiled engines fail loudly
                         raise
                     row = {"engine": "flashpost", "cuda_graphs": graphs, "compile_decode": True, "sessions": n,
                            "error": f"{type(e).__name__}: {str(e)[:2000]}"}  # fmt: skip
