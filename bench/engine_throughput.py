@@ -11,7 +11,9 @@ uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt 
 the batch's size), then the timed `generate(..., new_tokens, no stop ids, T = 1)`: its sessions
 lack only their newest token, so every one of its new_tokens tokens costs one decode step,
 sampling and bookkeeping included. Rows {engine: "flashpost", cuda_graphs, compile_decode (the
-inductor-compiled decode step, --compile; its compiles fall in warmup_s), prefill_mode (full-stack
+inductor-compiled decode step, --compile; its compiles fall in warmup_s), overlap_decode (each
+decode step launched from the last step's sampled tokens before the host reads them, --overlap; on
+by default with graphs), prefill_mode (full-stack
 or CED prefill, --prefill-mode; a CED prefill counts as one forward), packed_cache (live caches as
 packed bytes, the rollout workers' default, --packed-cache), flavor, device, impl,
 sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwards, warmup_s,
@@ -114,12 +116,14 @@ def dynamo_totals() -> dict:
 
 
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
-               compiled: bool | None = None, packed: bool = False, profile: list | None = None) -> dict:  # fmt: skip
+               compiled: bool | None = None, packed: bool = False, profile: list | None = None,
+               overlap: bool | None = None) -> dict:  # fmt: skip
     n = len(prompts)
     before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 2 * PROFILE_STEPS + 8,
-                             prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed)  # fmt: skip
+                             prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed,
+                             overlap_decode=overlap)  # fmt: skip
     compiled = engine._decode_forward is not None  # None above: the engine's own choice
     # first-call allocations, rope tables; one token (drawn from the prefill's logits): no decode step,
     # so a compiled engine compiles only the bucket of the row's sessions
@@ -148,7 +152,8 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     if profile is not None:  # after every counter of the row is read
         profile.append(profile_steps(engine, sids, device))
     return {
-        "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled, "prefill_mode": prefill_mode,
+        "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled,
+        "overlap_decode": engine.overlap_decode, "prefill_mode": prefill_mode,
         "packed_cache": packed, "flavor": flavor,
         "device": _device_name(device), "impl": args.impl, "sessions": n,
         "prompt_lens": [min(lens), max(lens), len(set(lens))],
@@ -275,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", default=None, choices=("on", "off", "both"),
                    help="graph engines (CPU: the engine): the compiled decode step, the uncompiled, both "
                         "(default: the engine's own choice, compiled with graphs, uncompiled on CPU)")  # fmt: skip
+    p.add_argument("--overlap", default=None, choices=("on", "off", "both"),
+                   help="graph engines: decode steps launched before the host reads the last step's tokens, or "
+                        "not, or both (default: the engine's own choice, on with graphs)")  # fmt: skip
     p.add_argument("--spec-cost", action="store_true", help="also the speculation cost model per session count")
     p.add_argument("--prefill-mode", default=None, choices=("full", "ced", "both"),
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
@@ -297,18 +305,20 @@ def main(argv: list[str] | None = None) -> None:
     modes = modes if device.type == "cuda" else (False,)
     # None: the engine's own choice; "both": the baseline first
     compiles = {None: (None,), "on": (True,), "off": (False,), "both": (False, True)}[a.compile]
-    engines = [(g, c) for g in modes for c in (compiles if g or device.type == "cpu" else (False,))]
+    overlaps = {None: (None,), "on": (True,), "off": (False,), "both": (False, True)}[a.overlap]
+    engines = [(g, c, o) for g in modes for c in (compiles if g or device.type == "cpu" else (False,))
+               for o in (overlaps if g else (None,))]  # fmt: skip
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
     packs = {"on": (True,), "off": (False,), "both": (False, True)}[a.packed_cache]
     for n in sessions:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
-        for graphs, compiled in engines:
+        for graphs, compiled, overlap in engines:
             for pm, packed in [(pm, pk) for pm in prefill_modes for pk in packs]:
                 prof = [] if a.profile else None
                 try:
                     row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed,
-                                     prof)
+                                     prof, overlap)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
                     if not compiled:  # the default path (None) and uncompiled engines fail loudly
                         raise

@@ -146,6 +146,7 @@ class InferenceEngine(SpeculativeDecoding):
         packed_cache: bool = False,
         cuda_graphs: bool | None = None,
         compile_decode: bool | None = None,
+        overlap_decode: bool | None = None,
         record_routing: bool = False,
     ):
         self.device = torch.device(device)
@@ -171,6 +172,19 @@ class InferenceEngine(SpeculativeDecoding):
         if compile_decode and record_routing:
             raise ValueError("record_routing records in Python, which a compiled step skips: pass compile_decode=False")
         self.graphs = GraphPool(COMPILED_BUCKETS if compile_decode else GRAPH_BUCKETS) if cuda_graphs else None
+        # overlap_decode: the next decode step is launched from the sampled tokens on the device before
+        # the host reads them, so the host's work of a step (the token copy, stop checks, bookkeeping,
+        # the next step's inputs) runs while the device computes the next one; a row that turns out to
+        # have stopped is rolled back by the token it was fed (its cache keeps one token of rollback).
+        # On with the graphs (the host work would otherwise leave the device idle between replays); on
+        # CPU the forward runs in the host thread, so the step fed to a stopped row would be pure waste
+        if overlap_decode is None:
+            overlap_decode = cuda_graphs and speculative is None
+        if overlap_decode and (speculative is not None or record_routing):
+            raise ValueError(
+                "overlap_decode runs plain decode steps without recording: not with speculative or record_routing"
+            )
+        self.overlap_decode = overlap_decode
         self._decode_forward = ragged_cache.compile_decode(model) if compile_decode else None
         # packed_cache: sessions' LayerCaches store the window rings as FP8 and the global banks as
         # FP4/MXFP4 bytes (model/packed_cache.py), unpacked on read (impl=triton reads the compressed KV
@@ -211,13 +225,14 @@ class InferenceEngine(SpeculativeDecoding):
             self._hasher = EngramHasher(model.args, self.tokenizer)
         self._sessions: dict[int, _Session] = {}
         # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
-        # positions), tokens generated, tokens the decoder replayed in CED prefills: for benches and tests
+        # positions), tokens generated, tokens the decoder replayed in CED prefills, rows of overlapped
+        # steps that had stopped (fed ahead, rolled back): for benches and tests
         self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
-                      "decode_steps": 0, "speculation_off_calls": 0}  # fmt: skip
+                      "decode_steps": 0, "speculation_off_calls": 0, "rows_rolled_back": 0}  # fmt: skip
         self._next_id = 0
         # DSpark speculation: caches keep max_draft tokens of rollback, fed tokens keep their DSpark context
         self.speculative = speculative
-        self._max_rollback = 0
+        self._max_rollback = 1 if overlap_decode else 0  # the step a stopped row was fed ahead
         self._spec_costs: dict[int, CostModel] = {}
         # calls left to run plain after a speculative call that lost to plain decoding (off_calls), and
         # the running call's emitted tokens against the tokens plain steps would emit in its time
@@ -538,14 +553,18 @@ class InferenceEngine(SpeculativeDecoding):
         # shapes include the banks')
         if self.graphs is not None or self._decode_forward is not None:
             max_tokens = min(self.max_seq_len, -(-max_tokens // GRAPH_TOKENS) * GRAPH_TOKENS)
-        sample_args = (gens, temperature, top_p, stops, stop_strings, stop_when, max_new_tokens)
+        limits = (stops, stop_strings, stop_when, max_new_tokens)
 
-        def sample_step(idx: list[int], logits: torch.Tensor | None) -> list[int]:
-            still = self._sample_step(sessions, outs, idx, *sample_args, logits)
+        def finished(idx: list[int], still: list[int]) -> None:
             if on_finish is not None:
                 for i in sorted(set(idx) - set(still)):
                     self._finish_text(outs[i])
                     on_finish(session_ids_all[i], outs[i])
+
+        def sample_step(idx: list[int], logits: torch.Tensor | None) -> list[int]:
+            still = self._record(sessions, outs, idx, self._draw(sessions, idx, gens, temperature, top_p, logits),
+                                 *limits)  # fmt: skip
+            finished(idx, still)
             return still
 
         session_ids_all = list(session_ids)
@@ -554,14 +573,33 @@ class InferenceEngine(SpeculativeDecoding):
                 batch, rows = self._decode_batch(sessions, active, max_tokens), active
                 logits_BV = self._decode_step(batch, [sessions[i] for i in rows])
             while active:
-                active = sample_step(active, logits_BV)
+                joined = list(admit()) if admit is not None else []
+                ahead = None
+                if self.overlap_decode and batch is not None and not joined:
+                    # the next step is launched on the drawn tokens before the host reads them
+                    drawn = self._draw(sessions, active, gens, temperature, top_p, logits_BV)
+                    versions = [sessions[i].next_version for i in active]  # of the logits drawn from
+                    if not all(self._at_limit(sessions[i], outs[i], max_new_tokens) for i in active):
+                        ahead = self._decode_step(batch, [sessions[i] for i in rows], ids=drawn[0])
+                    still = self._record(sessions, outs, active, drawn, *limits, versions=versions)
+                    finished(active, still)
+                    active = still
+                else:
+                    active = sample_step(active, logits_BV)
                 if batch is not None and len(active) < len(rows):
                     going_on = set(active)
                     gone = [k for k, i in enumerate(rows) if i not in going_on]
                     for k, cache in zip(gone, batch.take(gone)):
+                        if ahead is not None:  # fed its last token ahead: back to that token unfed
+                            cache.truncate(cache.seq_len - 1)
+                            self.stats["rows_rolled_back"] += 1
                         sessions[rows[k]].cache = cache
+                    if ahead is not None:
+                        ahead = ahead[[k for k, i in enumerate(rows) if i in going_on]]
                     rows = [i for i in rows if i in going_on]
-                joined = list(admit()) if admit is not None and active else []
+                if ahead is not None:
+                    logits_BV = ahead
+                    continue
                 if joined:  # joiners prefill, draw their first token, and the batch is rebuilt with them
                     first = len(sessions)
                     idx = self._join(joined, session_ids_all, sessions, outs, gens, active)
@@ -574,7 +612,7 @@ class InferenceEngine(SpeculativeDecoding):
                             sessions[i].cache = cache
                         batch, rows = None, []
                     active = active + idx
-                    longest = max(len(sessions[i].token_ids) for i in active) + max_new_tokens
+                    longest = max((len(sessions[i].token_ids) for i in active), default=0) + max_new_tokens
                     if self.graphs is not None:
                         longest = -(-longest // GRAPH_TOKENS) * GRAPH_TOKENS
                     max_tokens = min(self.max_seq_len, max(max_tokens, longest))
@@ -614,26 +652,34 @@ class InferenceEngine(SpeculativeDecoding):
         self._feed([sessions[i] for i in idx])
         return idx
 
-    def _sample_step(self, sessions, outs, active, gens, temperature, top_p, stops, stop_strings, stop_when,
-                     max_new_tokens, logits_BV=None) -> list[int]:  # fmt: skip
-        """Sample the next token of every active session from its next-token logits (`logits_BV`,
-        the rows of `active` in order, when the caller has them batched) and record it; returns the
-        indices that go on (no stop, no length limit)."""
+    def _draw(self, sessions, active, gens, temperature, top_p, logits_BV=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of every active session and its log-prob ([B] each, on the device, not read
+        yet), from the rows' next-token logits (`logits_BV`, the rows of `active` in order, when the
+        caller has them batched, else each session's own)."""
         if logits_BV is None:
             logits_BV = torch.stack([sessions[i].next_logits for i in active])
-        token_B, logprob_B = sample(logits_BV, temperature, top_p, [gens[i] for i in active])
+        return sample(logits_BV, temperature, top_p, [gens[i] for i in active])
+
+    def _record(self, sessions, outs, active, drawn, stops, stop_strings, stop_when, max_new_tokens,
+                versions: list[int] | None = None) -> list[int]:  # fmt: skip
+        """Append the drawn tokens (`_draw`'s) to their sessions and Generations, stamped with the
+        policy version of the logits they were drawn from (`versions`, else each session's
+        next_version); returns the indices that go on (no stop, no length limit)."""
+        token_B, logprob_B = drawn
+        if versions is None:
+            versions = [sessions[i].next_version for i in active]
         self.stats["tokens_generated"] += len(active)
         still = []
         # one device-to-host copy per step (token ids are exact in fp64)
         drawn = torch.stack([token_B.double(), logprob_B.double()]).cpu()
-        for i, tok, lp in zip(active, drawn[0].long().tolist(), drawn[1].tolist()):
+        for i, tok, lp, version in zip(active, drawn[0].long().tolist(), drawn[1].tolist(), versions):
             s, out = sessions[i], outs[i]
             s.token_ids.append(tok)
-            s.versions.append(s.next_version)
+            s.versions.append(version)
             s.next_logits = None
             out.token_ids.append(tok)
             out.logprobs.append(lp)
-            out.policy_versions.append(s.next_version)
+            out.policy_versions.append(version)
             if stop_strings or stop_when:
                 out.text = self.tokenizer.decode(out.token_ids)
             hit = tok if tok in stops else next((x for x in stop_strings if x in out.text), None)
@@ -641,9 +687,13 @@ class InferenceEngine(SpeculativeDecoding):
                 out.finish_reason, out.stop = "stop", hit
             elif stop_when is not None and stop_when(out.text):
                 out.finish_reason = "stop"
-            elif len(out.token_ids) < max_new_tokens and len(s.token_ids) < self.max_seq_len:
+            elif not self._at_limit(s, out, max_new_tokens):
                 still.append(i)
         return still
+
+    def _at_limit(self, s: _Session, out: Generation, max_new_tokens: int) -> bool:
+        """Whether a session that has just recorded a token is at its length limit (it stops there)."""
+        return len(out.token_ids) >= max_new_tokens or len(s.token_ids) >= self.max_seq_len
 
     def _decode_batch(self, sessions: list[_Session], active: list[int], max_tokens: int) -> RaggedBatch:
         # without graphs the batch's tensors are made as inference tensors, as its steps' outputs are:
@@ -651,16 +701,17 @@ class InferenceEngine(SpeculativeDecoding):
         # and would compile every layer again at the second step)
         with torch.inference_mode(self.graphs is None):
             return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
-                               forward=self._decode_forward)  # fmt: skip
+                               forward=self._decode_forward, hasher=self._hasher)  # fmt: skip
 
-    def _decode_step(self, batch: RaggedBatch, group: list[_Session]) -> torch.Tensor:
-        """Feed every row's one unfed token (its newest generated one) in one ragged forward; returns
-        the rows' next-token logits [B,V] (the next `_sample_step` takes them as they are)."""
-        ids = [s.token_ids[-1] for s in group]
+    def _decode_step(self, batch: RaggedBatch, group: list[_Session], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed every row's one unfed token (its newest generated one, or `ids` [B] on the device:
+        tokens drawn but not recorded yet) in one ragged forward; returns the rows' next-token logits
+        [B,V] (the next `_draw` takes them as they are)."""
+        if ids is None:
+            ids = [s.token_ids[-1] for s in group]
         keep_hidden = self.speculative is not None
-        engram = self._engram_rows(group, batch.pos, [[t] for t in ids])
         with self._recording() as record:
-            out = batch.decode(ids, engram, return_main_hidden=keep_hidden)
+            out = batch.decode(ids, return_main_hidden=keep_hidden)
         logits_BV, main_hidden = out if keep_hidden else (out, None)
         routing = None if record is None else self._routing_BSLK(record, range(self.model.args.n_layers))
         self.stats["forward_calls"] += 1

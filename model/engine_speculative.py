@@ -197,15 +197,15 @@ class SpeculativeDecoding:
         pre = RaggedBatch(self.model, [self._new_cache() for _ in range(batch)], max_tokens)
         pre.step([row[:n] for row in ids], engram(pre.pos, [row[:n] for row in ids]))
         caches = pre.split()
-        rows = RaggedBatch(self.model, caches, max_tokens, pool=self.graphs, forward=self._decode_forward)
+        rows = RaggedBatch(self.model, caches, max_tokens, pool=self.graphs, forward=self._decode_forward,
+                           hasher=hasher)  # fmt: skip
         times = []
         try:
             for r in range(repeats + 1):
                 step = [row[n + r] for row in ids]
-                eng = engram(rows.pos, [[t] for t in step])
                 _sync(dev)
                 t0 = time.perf_counter()
-                rows.decode(step, eng, return_main_hidden=True)
+                rows.decode(step, return_main_hidden=True)
                 _sync(dev)
                 times.append(time.perf_counter() - t0)
         finally:

@@ -1,9 +1,10 @@
 """Engram (model_reference §3.12): n-gram hash ids from token ids, and the gated table lookup that
 adds them into the mHC streams before a block.
 
-`EngramHasher` (numpy, built once from a tokenizer and ModelArgs) turns token ids into hash ids for
-every Engram layer, bit-exactly as the reference `NgramHashState`: compressed token map with the
-spec's normaliser sequence and first-seen numbering, PCG64 multipliers seeded 10007·layer_id and
+`EngramHasher` (built once from a tokenizer and ModelArgs; the hash runs in torch on the ids' device,
+so a decode step hashes on the GPU) turns token ids into hash ids for every Engram layer, bit-exactly
+as the reference `NgramHashState`: compressed token map with the spec's normaliser sequence and
+first-seen numbering, PCG64 multipliers seeded 10007·layer_id and
 bounded by the compressed vocab, XOR rolling hash over orders 2..max_ngram, prime-sized buckets
 handed out layer → order → head, cumulative blocking at sequence/document starts and image
 positions. `Engram` is the module (`embed.weight`, `wkv`, `q_weight`, `k_weight`).
@@ -185,28 +186,58 @@ class EngramHasher:
         docs = None if doc_ids is None else _to_numpy(doc_ids, np.int64)
         if docs is not None and n_ctx:
             docs = np.concatenate([np.repeat(docs[:, :1], n_ctx, axis=1), docs], axis=1)
-        return torch.from_numpy(np.ascontiguousarray(self._hash(comp, docs)[:, n_ctx:]))
+        docs_t = None if docs is None else torch.from_numpy(docs)
+        return self._hash(torch.from_numpy(np.ascontiguousarray(comp)), docs_t)[:, n_ctx:].contiguous()
 
-    def _hash(self, comp: np.ndarray, docs: np.ndarray | None) -> np.ndarray:
+    def step_hashes(self, ids_B: torch.Tensor, context_BC: torch.Tensor, pos_B: torch.Tensor) -> torch.Tensor:
+        """Hash ids [B,1,n_engram_layers,C] of one new token per row, on the tokens' device and without
+        a host sync (a decode step, CUDA-graph capturable): ids_B [B] the new tokens, context_BC the
+        row's previous C = max_ngram-1 token ids, newest last (-1: an image position), pos_B [B] how
+        many tokens the row had before this one (context entries before its start take part in no
+        n-gram). The same hashes as `__call__(ids[:, None], context_ids=...)` with the row's real context."""
+        tables = self._tables(ids_B.device)
+        C = context_BC.size(1)
+        start = torch.arange(C, device=ids_B.device) >= (C - pos_B)[:, None]  # [B,C]: entry inside the row
+        ctx = torch.where((context_BC >= 0) & start, tables["token_map"][context_BC.clamp(min=0)], DEAD)
+        comp = torch.cat([ctx, tables["token_map"][ids_B][:, None]], dim=1)
+        return self._hash(comp, None)[:, C:]
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_device_tables"}  # numpy tables travel, not tensors
+
+    def _tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The hash's constant tables as tensors on `device` (made once per device)."""
+        key = str(device)
+        cache = self.__dict__.setdefault("_device_tables", {})
+        if key not in cache:
+            cache[key] = {
+                name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device)
+                for name in ("token_map", "multipliers", "primes", "offsets")
+            }
+        return cache[key]
+
+    def _hash(self, comp: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+        """comp [B,T] compressed ids (DEAD: no n-gram), docs [B,T] or None -> [B,T,L,C] int64 on comp's device."""
+        t = self._tables(comp.device)
         B, T = comp.shape
-        blocked = np.zeros((B, T), dtype=bool)
+        blocked = torch.zeros(B, T, dtype=torch.bool, device=comp.device)
         tokens = []
         for shift in range(self.layout.max_ngram_size):
-            source = np.full((B, T), DEAD, dtype=np.int64)  # positions < shift look before the start
+            source = torch.full((B, T), DEAD, dtype=torch.int64, device=comp.device)  # before the start
             source[:, shift:] = comp[:, : max(T - shift, 0)]
             blocked |= source == DEAD
             if docs is not None and shift:
-                crossed = np.ones((B, T), dtype=bool)
+                crossed = torch.ones(B, T, dtype=torch.bool, device=comp.device)
                 crossed[:, shift:] = docs[:, shift:] != docs[:, : max(T - shift, 0)]
                 blocked |= crossed
-            tokens.append(np.where(blocked, self.pad_id, source))
-        # [B,T,L,max_ngram]; ids < compressed vocab and the multiplier bound keep this in int64
-        products = np.stack(tokens, axis=-1)[:, :, None, :] * self.multipliers
+            tokens.append(torch.where(blocked, self.pad_id, source))
+        # [B,T,L,max_ngram]; ids < compressed vocab and the multiplier bound keep this in int64 (no wrap)
+        products = torch.stack(tokens, dim=-1)[:, :, None, :] * t["multipliers"]
         rolling, hashes = products[..., 0], []
         for n in range(1, self.layout.max_ngram_size):
             rolling = rolling ^ products[..., n]  # XOR so far = hash of the (n+1)-gram
-            hashes.append(rolling[..., None] % self.primes[:, n - 1])
-        return np.concatenate(hashes, axis=-1) + self.offsets
+            hashes.append(rolling[..., None] % t["primes"][:, n - 1])
+        return torch.cat(hashes, dim=-1) + t["offsets"]
 
 
 class Engram(nn.Module):

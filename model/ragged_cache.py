@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from model.attention import LayerCache
+from model.engram import EngramHasher
 from model.transformer import ModelCache, Transformer, make_engram_inputs, run_layer
 
 # ModelCache fields that are rings, and how many entries each keeps beyond max_rollback
@@ -78,7 +79,9 @@ class RaggedBatch:
     row gets in one step (the longest step minus the row's tokens: 0 for decode steps, where every
     row feeds one token; a prefill chunk where a row may be fed nothing). `pool` (CUDA, decode
     batches): the batch's tensors live in the pool's storage and `decode` replays its graphs.
-    `forward`: what decode steps call in place of model.forward_ragged (`compile_decode`)."""
+    `forward`: what decode steps call in place of model.forward_ragged (`compile_decode`). `hasher`:
+    the EngramHasher of decode steps (default: the model's own; prefill steps get their hashes from
+    the caller)."""
 
     def __init__(
         self,
@@ -88,9 +91,12 @@ class RaggedBatch:
         slack: int = 0,
         pool: GraphPool | None = None,
         forward: Callable | None = None,
+        hasher: EngramHasher | None = None,
     ):
         a, c0 = model.args, caches[0]
         self.model = model
+        # decode steps hash their Engram n-grams on the device, from the batch's own id ring
+        self.hasher = hasher or model.engram_hasher
         # the decode steps' forward: model.forward_ragged, or `compile_decode`'s (prefill steps run eager)
         self.forward = forward or model.forward_ragged
         self.max_tokens = max_tokens
@@ -226,26 +232,43 @@ class RaggedBatch:
         self.rings[(layer, name)] = (keep, [min(m, keep) for m in lens])
 
     @torch.inference_mode()
-    def decode(self, ids: list[int], engram_inputs: dict | None = None, return_main_hidden: bool = False):
-        """Feed row b its one token ids[b]: `step` with every bank slot visible (fixed shapes), on
-        the pool's CUDA graphs when the batch has one. Returns the logits [B,V] (and the DSpark
-        context [B,1,X] with `return_main_hidden`), owned by the caller."""
+    def decode(self, ids: list[int] | torch.Tensor, return_main_hidden: bool = False):
+        """Feed row b its one token ids[b] (a list, or a tensor [B] on the model's device: the
+        sampled tokens of the last step, never brought to the host): `step` with every bank slot
+        visible (fixed shapes), the Engram hashes made on the device from the batch's id ring, on the
+        pool's CUDA graphs when the batch has one. Returns the logits [B,V] (and the DSpark context
+        [B,1,X] with `return_main_hidden`), owned by the caller."""
         if len(ids) != self.size:
             raise ValueError(f"{len(ids)} tokens for {self.size} rows")
         if any((p + 1) // r > s - 1 for p in self.pos for r, s in self.slots.items()):
             raise ValueError("a row outgrew the batch's banks: size max_tokens for the longest row")
         if self._graphs is not None:
-            out = self._graphs.decode(ids, engram_inputs, return_main_hidden)
+            out = self._graphs.decode(ids, return_main_hidden)
         else:
             dev = self.model.embed.weight.device
+            ids_B = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=dev)
+            pos_B = torch.tensor(self.pos, device=dev)
             out = self.forward(
-                torch.tensor(ids, device=dev)[:, None], torch.tensor(self.pos, device=dev),
-                torch.ones(len(ids), dtype=torch.long, device=dev), self.cache, max_end=self.max_tokens,
-                bank_slots=self.bank_slots, engram_inputs=engram_inputs, return_main_hidden=return_main_hidden,
+                ids_B[:, None], pos_B, torch.ones(len(ids), dtype=torch.long, device=dev), self.cache,
+                max_end=self.max_tokens, bank_slots=self.bank_slots, engram_inputs=self.step_engram(ids_B, pos_B),
+                return_main_hidden=return_main_hidden,
             )  # fmt: skip
         self.pos = [p + 1 for p in self.pos]
         self._pending += 1  # every ring of every row gained one entry: counted when next read
         return out
+
+    def step_engram(self, ids_B: torch.Tensor, pos_B: torch.Tensor) -> dict | None:
+        """Engram inputs of a decode step (None without Engram layers): each row's new token hashed
+        with the max_ngram-1 tokens before it, read from the batch's `recent_ids` ring on the device."""
+        a = self.model.args
+        if not a.engram_layer_ids:
+            return None
+        if self.hasher is None:
+            raise ValueError("this model has Engram layers: pass the batch an EngramHasher (hasher=)")
+        ring = self.cache.recent_ids
+        hashes = self.hasher.step_hashes(ids_B, ring[: ids_B.size(0), ring.size(1) - (a.engram_max_ngram_size - 1) :],
+                                         pos_B)  # fmt: skip
+        return {"hashes": hashes, "engram_mask": None}
 
     @property
     def rings(self) -> dict[tuple[int, str], tuple[int, list[int]]]:
@@ -425,7 +448,6 @@ class _Storage:
         self.ids = torch.zeros(cap, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(cap, dtype=torch.long, device=dev)
         self.ones = torch.ones(cap, dtype=torch.long, device=dev)
-        self.hashes: torch.Tensor | None = None
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.busy = False
 
@@ -437,19 +459,26 @@ class _BatchGraphs:
     def __init__(self, pool: GraphPool, st: _Storage, batch: RaggedBatch, fields: list[tuple[object, str]]):
         self.pool, self.st, self.batch, self.fields = pool, st, batch, fields
         self.views: list[torch.Tensor] = []
+        self.views_b = 0
+        # st.pos holds the rows' positions of the last step: the next step adds one on the device,
+        # unless rows moved (a new batch, a compaction) and the host's positions are copied in again
+        self.pos_on_device = False
 
-    def decode(self, ids: list[int], engram_inputs: dict | None, hidden: bool):
+    def decode(self, ids: list[int] | torch.Tensor, hidden: bool):
         st, n = self.st, len(ids)
         b = self.pool.capacity(n)
         pad = [0] * (b - n)
-        st.ids[:b, 0].copy_(torch.tensor(ids + pad), non_blocking=True)
-        st.pos[:b].copy_(torch.tensor(self.batch.pos + pad), non_blocking=True)
-        if engram_inputs is not None:
-            h = engram_inputs["hashes"]
-            if st.hashes is None:
-                st.hashes = h.new_zeros(st.ids.size(0), *h.shape[1:])
-            st.hashes[:n].copy_(h)
-        self.views = [t[:b] for t in st.tensors]
+        if isinstance(ids, torch.Tensor):  # the last step's sampled tokens, still on the device
+            st.ids[:n, 0].copy_(ids)
+        else:
+            st.ids[:b, 0].copy_(torch.tensor(ids + pad), non_blocking=True)
+        if self.pos_on_device:
+            st.pos[:n].add_(1)
+        else:
+            st.pos[:b].copy_(torch.tensor(self.batch.pos + pad), non_blocking=True)
+            self.pos_on_device = True
+        if b != self.views_b:  # the cache fields as views of the bucket's rows (the same from step to step)
+            self.views, self.views_b = [t[:b] for t in st.tensors], b
         for (o, name), v in zip(self.fields, self.views):
             setattr(o, name, v)
         key = (b, hidden)
@@ -476,7 +505,7 @@ class _BatchGraphs:
     def _forward(self, b: int, hidden: bool):
         """forward_ragged over the storage's first b rows, the updated rings copied back into it."""
         st, batch = self.st, self.batch
-        eng = None if st.hashes is None else {"hashes": st.hashes[:b], "engram_mask": None}
+        eng = batch.step_engram(st.ids[:b, 0], st.pos[:b])
         out = batch.forward(
             st.ids[:b], st.pos[:b], st.ones[:b], batch.cache, max_end=batch.max_tokens, bank_slots=batch.bank_slots,
             engram_inputs=eng, return_main_hidden=hidden,
@@ -493,6 +522,7 @@ class _BatchGraphs:
         for (o, name), t in zip(self.fields, self.st.tensors):
             t[: idx.numel()] = t.index_select(0, idx)
             setattr(o, name, t)
+        self.pos_on_device, self.views_b = False, 0
 
     def release(self) -> None:
         self.st.busy = False

@@ -251,3 +251,26 @@ def test_table_gradient_is_sparse_and_touches_only_used_rows(args, tok, hasher):
     untouched[list(used)] = False
     assert dense[untouched].abs().sum() == 0 and dense[~untouched].abs().sum() > 0
     assert e.wkv.weight.grad is not None and not e.wkv.weight.grad.is_sparse
+
+
+def test_step_hashes_equal_the_hasher_over_each_rows_context(tok, hasher):
+    """A decode step's hashes, made on the ids' device from a right-aligned ring of each row's
+    previous tokens (model/ragged_cache.py), equal the hasher's over the row's real context: rows at
+    their first positions (fewer tokens than the context, the ring's front not theirs), an image
+    position (-1) in the context, and a row deep in its sequence."""
+    C = hasher.layout.max_ngram_size - 1
+    seqs = [tok.encode("x"), tok.encode("def f"), tok.encode("def add(a, b):\n    return a - b")]
+    new = torch.tensor([tok.encode(" y")[0], 7, 300])
+    ring = torch.zeros(len(seqs), C + 1, dtype=torch.long)  # one spare entry, as a batch's ring has
+    for b, s in enumerate(seqs):
+        tail = s[-C:]
+        ring[b, ring.size(1) - len(tail) :] = torch.tensor(tail)
+    ring[1, -1] = -1  # the newest context token of row 1 was an image position
+    got = hasher.step_hashes(new, ring[:, -C:], torch.tensor([len(s) for s in seqs]))
+    for b, s in enumerate(seqs):
+        ctx = torch.tensor([s[-C:]])
+        image = torch.zeros_like(ctx, dtype=torch.bool)
+        if b == 1:
+            image[0, -1] = True
+        want = hasher(new[b : b + 1, None], context_ids=ctx, context_image_mask=image)
+        assert torch.equal(got[b : b + 1], want), b
