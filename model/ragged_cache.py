@@ -407,6 +407,19 @@ class GraphPool:
         self.captures = 0
         self._storages: dict[tuple, _Storage] = {}
         self._mempool = None
+        self._weight_slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+
+    def _weights(self, model: torch.nn.Module) -> tuple[int, ...]:
+        """Where the model's weights are now. The graphs read the weights where they were at capture:
+        a model whose tensors moved (loaded with assign, moved between devices) keys new storage and
+        graphs. The (module, name) slots are listed once per model (walking the module tree is ~10 ms a
+        batch for `small`); reading each slot's tensor again sees a parameter replaced in place."""
+        slots = self._weight_slots.get(id(model))
+        if slots is None:
+            slots = self._weight_slots[id(model)] = [
+                (m, name) for m in model.modules() for name, p in m._parameters.items() if p is not None
+            ]
+        return tuple(m._parameters[name].data_ptr() for m, name in slots)
 
     def capacity(self, n: int) -> int:
         """Rows a batch of n live rows is padded to."""
@@ -417,10 +430,7 @@ class GraphPool:
         another batch, which then stays eager)."""
         fields = batch.fields()
         tensors = [getattr(o, name) for o, name in fields]
-        # the graphs read the weights where they were at capture: a model whose tensors moved (loaded
-        # with assign, moved between devices) keys new storage and graphs
-        weights = tuple(t.data_ptr() for t in batch.model.parameters())
-        key = (id(batch.model), weights, batch.max_tokens,
+        key = (id(batch.model), self._weights(batch.model), batch.max_tokens,
                tuple((name, type(o).__name__, getattr(o, "packed", None), t.dtype, tuple(t.shape))
                      for (o, name), t in zip(fields, tensors)))  # fmt: skip
         st = self._storages.get(key)
