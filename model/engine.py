@@ -118,6 +118,13 @@ class _Session:
     def main_hidden(self, value: torch.Tensor | None) -> None:
         self._hidden, self._steps = value, []
 
+    def drop_step(self) -> None:
+        """Forget the newest decode step's DSpark context (a step rolled back), if it was stashed."""
+        if self._steps:
+            self._steps.pop()
+        elif self._hidden is not None and self._keep:
+            self._hidden = self._hidden[:, :-1]
+
     def stash_step(self, out_BSX: torch.Tensor, row: int, keep: int) -> None:
         """A decode step's context (row `row` of its [B,1,X] output) appended, kept to `keep` tokens."""
         self._steps.append((out_BSX, row))
@@ -177,13 +184,13 @@ class InferenceEngine(SpeculativeDecoding):
         # the next step's inputs) runs while the device computes the next one; a row that turns out to
         # have stopped is rolled back by the token it was fed (its cache keeps one token of rollback).
         # On with the graphs (the host work would otherwise leave the device idle between replays); on
-        # CPU the forward runs in the host thread, so the step fed to a stopped row would be pure waste
+        # CPU the forward runs in the host thread, so the step fed to a stopped row would be pure waste.
+        # A speculative engine overlaps its plain decode steps (verification steps are eager)
         if overlap_decode is None:
-            overlap_decode = cuda_graphs and speculative is None
-        if overlap_decode and (speculative is not None or record_routing):
-            raise ValueError(
-                "overlap_decode runs plain decode steps without recording: not with speculative or record_routing"
-            )
+            overlap_decode = cuda_graphs
+        if overlap_decode and record_routing:
+            raise ValueError("overlap_decode feeds rows ahead, which routing recording would record: not with "
+                             "record_routing")  # fmt: skip
         self.overlap_decode = overlap_decode
         self._decode_forward = ragged_cache.compile_decode(model) if compile_decode else None
         # packed_cache: sessions' LayerCaches store the window rings as FP8 and the global banks as
@@ -562,8 +569,8 @@ class InferenceEngine(SpeculativeDecoding):
                     on_finish(session_ids_all[i], outs[i])
 
         def sample_step(idx: list[int], logits: torch.Tensor | None) -> list[int]:
-            still = self._record(sessions, outs, idx, self._draw(sessions, idx, gens, temperature, top_p, logits),
-                                 *limits)  # fmt: skip
+            drawn = self._fetch(self._draw(sessions, idx, gens, temperature, top_p, logits))
+            still = self._record(sessions, outs, idx, drawn, *limits)
             finished(idx, still)
             return still
 
@@ -578,10 +585,11 @@ class InferenceEngine(SpeculativeDecoding):
                 if self.overlap_decode and batch is not None and not joined:
                     # the next step is launched on the drawn tokens before the host reads them
                     drawn = self._draw(sessions, active, gens, temperature, top_p, logits_BV)
+                    fetched = self._fetch(drawn)  # queued before the next step: read while that one runs
                     versions = [sessions[i].next_version for i in active]  # of the logits drawn from
-                    if not all(self._at_limit(sessions[i], outs[i], max_new_tokens) for i in active):
+                    if not all(self._at_limit(sessions[i], outs[i], max_new_tokens, drawn=1) for i in active):
                         ahead = self._decode_step(batch, [sessions[i] for i in rows], ids=drawn[0])
-                    still = self._record(sessions, outs, active, drawn, *limits, versions=versions)
+                    still = self._record(sessions, outs, active, fetched, *limits, versions=versions)
                     finished(active, still)
                     active = still
                 else:
@@ -592,6 +600,7 @@ class InferenceEngine(SpeculativeDecoding):
                     for k, cache in zip(gone, batch.take(gone)):
                         if ahead is not None:  # fed its last token ahead: back to that token unfed
                             cache.truncate(cache.seq_len - 1)
+                            sessions[rows[k]].drop_step()
                             self.stats["rows_rolled_back"] += 1
                         sessions[rows[k]].cache = cache
                     if ahead is not None:
@@ -660,18 +669,30 @@ class InferenceEngine(SpeculativeDecoding):
             logits_BV = torch.stack([sessions[i].next_logits for i in active])
         return sample(logits_BV, temperature, top_p, [gens[i] for i in active])
 
-    def _record(self, sessions, outs, active, drawn, stops, stop_strings, stop_when, max_new_tokens,
+    def _fetch(self, drawn: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the one device-to-host copy of a step's drawn tokens and log-probs ([2,B] fp64: token
+        ids are exact in it) into pinned memory; returns it and the event that marks it done (None on
+        CPU, where the copy is the tensor itself). Work queued after this call does not delay it."""
+        both = torch.stack([drawn[0].double(), drawn[1].double()])
+        if both.device.type != "cuda":
+            return both, None
+        host = both.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _record(self, sessions, outs, active, fetched, stops, stop_strings, stop_when, max_new_tokens,
                 versions: list[int] | None = None) -> list[int]:  # fmt: skip
-        """Append the drawn tokens (`_draw`'s) to their sessions and Generations, stamped with the
-        policy version of the logits they were drawn from (`versions`, else each session's
-        next_version); returns the indices that go on (no stop, no length limit)."""
-        token_B, logprob_B = drawn
+        """Append the drawn tokens (`_fetch`'s copy of `_draw`'s, waited for here) to their sessions and
+        Generations, stamped with the policy version of the logits they were drawn from (`versions`,
+        else each session's next_version); returns the indices that go on (no stop, no length limit)."""
+        drawn, done = fetched
+        if done is not None:
+            done.synchronize()
         if versions is None:
             versions = [sessions[i].next_version for i in active]
         self.stats["tokens_generated"] += len(active)
         still = []
-        # one device-to-host copy per step (token ids are exact in fp64)
-        drawn = torch.stack([token_B.double(), logprob_B.double()]).cpu()
         for i, tok, lp, version in zip(active, drawn[0].long().tolist(), drawn[1].tolist(), versions):
             s, out = sessions[i], outs[i]
             s.token_ids.append(tok)
@@ -691,9 +712,10 @@ class InferenceEngine(SpeculativeDecoding):
                 still.append(i)
         return still
 
-    def _at_limit(self, s: _Session, out: Generation, max_new_tokens: int) -> bool:
-        """Whether a session that has just recorded a token is at its length limit (it stops there)."""
-        return len(out.token_ids) >= max_new_tokens or len(s.token_ids) >= self.max_seq_len
+    def _at_limit(self, s: _Session, out: Generation, max_new_tokens: int, drawn: int = 0) -> bool:
+        """Whether a session is at its length limit (it stops there) once its `drawn` tokens drawn but
+        not recorded yet are."""
+        return len(out.token_ids) + drawn >= max_new_tokens or len(s.token_ids) + drawn >= self.max_seq_len
 
     def _decode_batch(self, sessions: list[_Session], active: list[int], max_tokens: int) -> RaggedBatch:
         # without graphs the batch's tensors are made as inference tensors, as its steps' outputs are:

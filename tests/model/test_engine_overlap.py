@@ -3,7 +3,8 @@ the drawn tokens before the host reads them, and a row that stopped is rolled ba
 was fed ahead. Forced on here on CPU, an overlapped engine must give exactly what a plain one gives
 (tokens, log-probs, versions, stop reasons) and leave every session's cache as the plain engine
 leaves it, so later turns agree too: greedy and seeded sampling, stops at different steps, length
-limits, joins (`admit`), CED prefill, packed caches and the model's own Engram hasher."""
+limits, joins (`admit`), CED prefill, packed caches, the model's own Engram hasher, and a speculative
+engine's plain steps (the DSpark context of a rolled-back step dropped too)."""
 
 import dataclasses
 
@@ -103,12 +104,12 @@ def test_overlapped_joins_and_finish_reports(template):
         first = [engine.start(p) for p in prompts[:2]]
         polls, finished = [], []
 
-        def admit():
+        def admit(engine=engine, polls=polls):
             polls.append(1)
             return [(engine.start(prompts[2]), 33)] if len(polls) == 3 else []
 
         gens = engine.generate(first, 8, temperature=0.9, stop_ids=(), seed=[31, 32], admit=admit,
-                               on_finish=lambda sid, g: finished.append((sid, len(g.token_ids))))  # fmt: skip
+                               on_finish=lambda sid, g, f=finished: f.append((sid, len(g.token_ids))))  # fmt: skip
         results.append((gens, finished, [engine.tokens(s) for s in range(3)]))
     (pg, pf, pt), (og, of, ot) = results
     _same_generations(pg, og)
@@ -120,21 +121,51 @@ def test_overlapped_ced_packed_and_model_hasher(template, mode):
     hasher = EngramHasher(ARGS, template.tokenizer)
     for model, packed in ((_model(ARGS, hasher), False), (_model(QAT_ARGS), True)):
         prompts = [_prompt(n, 240 + n) for n in (6, 11, 23)]
-        runs = []
-        for engine in _pair(model, template, prefill_mode=mode, packed_cache=packed):
+        runs, engines = [], _pair(model, template, prefill_mode=mode, packed_cache=packed)
+        for engine in engines:
             sids = [engine.start(p) for p in prompts]
             a = engine.generate(sids, 7, temperature=0.9, stop_ids=(), seed=[1, 2, 3])
             engine.extend(sids[0], _prompt(4, 9))
             runs.append(a + engine.generate(sids, 5, temperature=0.9, stop_ids=(), seed=[4, 5, 6]))
         _same_generations(*runs)
+        # rows that all stop at their length limit are not fed ahead: no step is wasted
+        assert engines[0].stats["decode_steps"] == engines[1].stats["decode_steps"]
+        assert engines[1].stats["rows_rolled_back"] == 0
 
 
-def test_overlap_is_for_plain_decoding(template):
-    from model.speculative import SpeculativeConfig
+def test_speculative_engine_overlaps_its_plain_steps(template):
+    """A speculative engine's plain decode steps overlap too: a row fed ahead and rolled back also
+    drops that step's DSpark context, so every session keeps the drafter context a plain engine's
+    steps leave, and speculation continuing from it drafts and accepts alike."""
+    from model.speculative import CostModel, SpeculativeConfig
 
+    hasher = EngramHasher(ARGS, template.tokenizer)
+    m = Transformer(ARGS, engram_hasher=hasher)
+    m.init_weights(seed=0, std=0.2)
+    always_k = CostModel([1.0] * (ARGS.dspark_block_size + 1), 0.0, t_plain=64.0)  # speculation always pays
+    prompts = [_prompt(n, 260 + n) for n in (7, 12, 21)]
+    engines = [InferenceEngine(m, template, max_sessions=8, overlap_decode=o,
+                               speculative=SpeculativeConfig(cost=always_k)) for o in (False, True)]  # fmt: skip
+    free = engines[0].generate([engines[0].start(p) for p in prompts], 6, stop_ids=())
+    stop = free[0].token_ids[2]  # the first row stops at its third token, the others go on
+    runs = []
+    for engine in engines:
+        sids = [engine.start(p) for p in prompts]
+        first = engine.generate(sids, 6, stop_ids=(stop,))
+        context = [engine._get(s).main_hidden for s in sids]
+        rest = engine.generate_speculative(sids, 8, stop_ids=())
+        runs.append((first + rest, context, [engine.speculation_stats(s) for s in sids]))
+    assert engines[1].stats["rows_rolled_back"] >= 1
+    (pg, pc, ps), (og, oc, os_) = runs
+    _same_generations(pg, og, atol=1e-3)  # verification sums k+1 positions per matmul (test_engine_ragged)
+    for a, b in zip(pc, oc):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    assert ps == os_ and all(x["drafted"] > 0 for x in ps)
+
+
+def test_overlap_defaults_and_refusals(template):
     model = _model()
     assert not InferenceEngine(model, template).overlap_decode  # CPU: no graphs, nothing to overlap
-    with pytest.raises(ValueError, match="overlap_decode"):
-        InferenceEngine(model, template, overlap_decode=True, speculative=SpeculativeConfig())
     with pytest.raises(ValueError, match="overlap_decode"):
         InferenceEngine(model, template, overlap_decode=True, record_routing=True)

@@ -2,8 +2,6 @@
 module tree, and changed whenever a parameter is replaced or moved (the graphs read the addresses
 they captured), not by in-place loads (the engine's weight updates)."""
 
-import torch
-
 from model.config import get_flavor
 from model.ragged_cache import GraphPool
 from model.transformer import Transformer
