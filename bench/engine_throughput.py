@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impl", default="torch", choices=("torch", "triton"))
     p.add_argument("--sessions", type=int, nargs="+", default=None, help="default 1 16 64 256")
     p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="prompt lengths drawn from [LO, HI] (default per flavor; the demo's are ~900-1200)")
     p.add_argument("--quick", action="store_true", help="1 and 4 sessions, short prompts: a test's check")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         (lo, hi), new, sessions = QUICK["lens"], QUICK["new_tokens"], a.sessions or QUICK["sessions"]
     new = a.new_tokens or new
+    lo, hi = a.prompt_lens or (lo, hi)
     model = build_model(args, device)
     rate = copy_gb_per_s(device)
     modes = {"on": (True,), "off": (False,), "both": (True, False), "none": ()}[a.cuda_graphs]

@@ -38,12 +38,19 @@ from model.rope import apply_rotary_emb
 
 
 # ---------------------------------------------------------------------------- sparse attention
-def _gathered_logits(q_BMHD, kv_BND, idxs_BMK, scale):
+def _gathered_logits(q_BMHD, kv_BND, idxs_BMK, scale, dtype: torch.dtype | None = None):
+    """Logits of each query's gathered rows [B,M,H,K] (-inf at -1 slots) and the rows [B,M,K,Dh] fp32.
+    kv_BND uint8 (a packed cache's main-KV entries, model/packed_cache.py): only the gathered entries
+    are decoded, to `dtype` first (the bank's dense dtype), as the Triton kernel decodes what it picks."""
     B, M, H, Dh = q_BMHD.shape
     K = idxs_BMK.size(-1)
     valid_BMK = idxs_BMK >= 0
-    flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, Dh)
-    kv_BMKD = kv_BND.float().gather(1, flat).view(B, M, K, Dh)
+    if kv_BND.dtype == torch.uint8:
+        flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, kv_BND.size(-1))
+        kv_BMKD = unpack_main_kv(kv_BND.gather(1, flat), dtype).float().view(B, M, K, Dh)
+    else:
+        flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, Dh)
+        kv_BMKD = kv_BND.float().gather(1, flat).view(B, M, K, Dh)
     logits_BMHK = torch.einsum("bmhd,bmkd->bmhk", q_BMHD.float(), kv_BMKD) * scale
     return logits_BMHK.masked_fill(~valid_BMK[:, :, None, :], -torch.inf), kv_BMKD
 
@@ -87,6 +94,7 @@ def windowed_sparse_attn(
     cidx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sparse_attn_ref(q, cat[kv_win, ckv], attn_sink, cat[win_idxs, cidx + T], scale)`, faster in torch.
+    ckv may be a packed cache's uint8 main-KV entries: the picked ones are decoded (to kv_win's dtype).
 
     The window part uses that query i's window rows are the contiguous range win_lo + i + (0..W-1)
     (masked where win_idxs is -1, as `window_topk_idxs` builds them): queries are cut into blocks
@@ -115,7 +123,7 @@ def windowed_sparse_attn(
     parts = [logits_BSHL]
     if ckv is not None and cidx is not None and cidx.size(-1) > 0:
         cidx_p = F.pad(cidx, (0, 0, 0, Sp - S), value=-1)
-        logits_c, kv_BSKD = _gathered_logits(F.pad(q, (0, 0, 0, 0, 0, Sp - S)), ckv, cidx_p, scale)
+        logits_c, kv_BSKD = _gathered_logits(F.pad(q, (0, 0, 0, 0, 0, Sp - S)), ckv, cidx_p, scale, kv_win.dtype)
         parts.append(logits_c)
     sink = attn_sink.float().view(1, 1, -1, 1).expand(B, Sp, H, 1)
     lse_BSH1 = torch.logsumexp(torch.cat([*parts, sink], dim=-1), dim=-1, keepdim=True)
@@ -625,7 +633,7 @@ class Attention(nn.Module):
         ckv_BGD = cidx_BSK = index_out = p_comp = None
         if self.compress_ratio > 0:
             ckv_BGD, cidx_BSK, index_out = self._compressed(x_BSD, qr_BSQ, freqs_BSr, ctx, cache)
-        # a packed cache's main-KV entries (impl=triton): the kernel decodes the rows it picks
+        # a packed cache's main-KV entries: the kernel (or the torch path) decodes the rows it picks
         packed = ckv_BGD is not None and ckv_BGD.dtype == torch.uint8
         if packed and (torch.is_grad_enabled() or ctx.indexer_loss):
             raise ValueError("a packed LayerCache is inference storage: run without gradients or indexer loss")
@@ -732,8 +740,12 @@ class Attention(nn.Module):
         return ckv_BND, k_BND
 
     def _reads_packed(self, cache: LayerCache | None) -> bool:
-        """Whether this layer takes a packed cache's compressed KV as bytes (the Triton kernel)."""
-        return cache is not None and cache.packed and self.sparse_attn is not sparse_attn_ref
+        """Whether this layer takes a packed cache's compressed KV as bytes: the Triton kernel and the
+        torch path (windowed_sparse_attn) decode the entries they pick; numerics="reference" in torch
+        attends a dense bank."""
+        if cache is None or not cache.packed:
+            return False
+        return self.sparse_attn is not sparse_attn_ref or self.numerics != "reference"
 
     def _compressed(self, x_BSD, qr_BSQ, freqs_BSr, ctx: AttnContext, cache: LayerCache | None):
         """Compressed KV [B,G,Dh] this layer attends and its top-k group indices [B,S,K]."""

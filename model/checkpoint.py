@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model.config import ModelArgs
-from model.quant import e2m1_values, unpack_e2m1
+from model.quant import e2m1_byte_values
 
 ALIASES_KEY = "flashpost_aliases"
 CONFIG_KEY = "flashpost_config"
@@ -149,7 +149,7 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, name: str = "we
     if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         values = weight.float()
     elif weight.dtype in (torch.uint8, torch.int8) or weight.dtype in _QUANTISED:
-        values = e2m1_values(unpack_e2m1(weight.view(torch.uint8)))  # packed FP4
+        values = e2m1_byte_values(weight)  # packed FP4
     else:
         raise ValueError(f"{name}: {weight.dtype} is not a quantised weight format")
     if values.dim() != 2 or scale.dim() != 2:

@@ -17,13 +17,12 @@ import torch
 
 from model.config import ModelArgs
 from model.quant import (
-    dequantize_fp4,
     dequantize_fp8,
+    dequantize_packed_fp4,
     pack_e2m1,
     quantize_fp4_e4m3,
     quantize_fp8,
     quantize_mxfp4,
-    unpack_e2m1,
 )
 
 MAIN_KV_BLOCK = 16  # E4M3 scale per 16 elements (NVFP4 without the tensor scale)
@@ -84,7 +83,7 @@ def unpack_main_kv(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
     assert main_kv_entry_bytes(head_dim) == packed.size(-1), f"{packed.size(-1)} bytes is no main-KV entry"
     payload, scale_bytes = _split(packed, head_dim // 2)
     scale = scale_bytes.contiguous().view(torch.float8_e4m3fn).float()
-    return dequantize_fp4(unpack_e2m1(payload), scale, dtype)
+    return dequantize_packed_fp4(payload, scale, dtype)
 
 
 # ---------------------------------------------------------------------------- indexer keys
@@ -99,7 +98,7 @@ def unpack_index_k(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
     index_head_dim = packed.size(-1) * 32 // 17
     assert index_key_entry_bytes(index_head_dim) == packed.size(-1), f"{packed.size(-1)} bytes is no index key"
     payload, scale_bytes = _split(packed, index_head_dim // 2)
-    return dequantize_fp4(unpack_e2m1(payload), _ue8m0_scales(scale_bytes), dtype)
+    return dequantize_packed_fp4(payload, _ue8m0_scales(scale_bytes), dtype)
 
 
 # ---------------------------------------------------------------------------- window KV

