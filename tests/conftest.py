@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from envs import engine
-
 
 @pytest.fixture(scope="session")
 def engine_ready():
+    # imported here: the Docker client library is absent where only GPU tests run (the lent GPU host)
+    from envs import engine
+
     if not engine.engine_available():
         pytest.skip("no Docker engine answers: run `bash infra/docker/ensure_engine.sh` (or `make test`)")
     tag = engine.ensure_base_image(build=True)
