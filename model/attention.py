@@ -45,12 +45,9 @@ def _gathered_logits(q_BMHD, kv_BND, idxs_BMK, scale, dtype: torch.dtype | None 
     B, M, H, Dh = q_BMHD.shape
     K = idxs_BMK.size(-1)
     valid_BMK = idxs_BMK >= 0
-    if kv_BND.dtype == torch.uint8:
-        flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, kv_BND.size(-1))
-        kv_BMKD = unpack_main_kv(kv_BND.gather(1, flat), dtype).float().view(B, M, K, Dh)
-    else:
-        flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, Dh)
-        kv_BMKD = kv_BND.float().gather(1, flat).view(B, M, K, Dh)
+    flat = idxs_BMK.clamp(min=0).reshape(B, M * K, 1).expand(B, M * K, kv_BND.size(-1))
+    rows = kv_BND.gather(1, flat)  # gathered first: only the picked rows are converted (or decoded)
+    kv_BMKD = (unpack_main_kv(rows, dtype) if kv_BND.dtype == torch.uint8 else rows).float().view(B, M, K, Dh)
     logits_BMHK = torch.einsum("bmhd,bmkd->bmhk", q_BMHD.float(), kv_BMKD) * scale
     return logits_BMHK.masked_fill(~valid_BMK[:, :, None, :], -torch.inf), kv_BMKD
 

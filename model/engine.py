@@ -119,11 +119,11 @@ class _Session:
         self._hidden, self._steps = value, []
 
     def drop_step(self) -> None:
-        """Forget the newest decode step's DSpark context (a step rolled back), if it was stashed."""
+        """Forget the newest decode step's DSpark context (a step rolled back), if it was stashed (a
+        speculative engine's steps; nothing reads main_hidden between a step and its rollback, so the
+        step is still in `_steps`)."""
         if self._steps:
             self._steps.pop()
-        elif self._hidden is not None and self._keep:
-            self._hidden = self._hidden[:, :-1]
 
     def stash_step(self, out_BSX: torch.Tensor, row: int, keep: int) -> None:
         """A decode step's context (row `row` of its [B,1,X] output) appended, kept to `keep` tokens."""
