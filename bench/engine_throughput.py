@@ -7,13 +7,14 @@
 
 One JSON line per (engine, sessions), one process. Every session has its own prompt, lengths drawn
 uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt ids. After
-`engine.prefill`, a warm-up `generate` of WARMUP_TOKENS (on CUDA it captures the decode graphs of
-the batch's size), then the timed `generate(..., new_tokens, no stop ids, T = 1)`: its sessions
-lack only their newest token, so every one of its new_tokens tokens costs one decode step,
-sampling and bookkeeping included. Rows {engine: "flashpost", cuda_graphs, compile_decode (the
-inductor-compiled decode step, --compile; its compiles fall in warmup_s), overlap_decode (each
-decode step launched from the last step's sampled tokens before the host reads them, --overlap; on
-by default with graphs), prefill_mode (full-stack
+a warm-up (the same prompts in sessions of their own, through the same calls: the same batch bucket
+and bank sizes, so on CUDA every graph the timed call replays is captured, and compiled, there),
+`engine.prefill` (timed) and one token drawn from its logits, then the timed `generate(...,
+new_tokens, no stop ids, T = 1)`: its sessions lack only their newest token, so every one of its
+new_tokens tokens costs one decode step, sampling and bookkeeping included. Rows {engine: "flashpost",
+cuda_graphs, compile_decode (the inductor-compiled decode step, --compile; its compiles fall in
+warmup_s), overlap_decode (each decode step launched from the last step's sampled tokens before the
+host reads them, --overlap; on by default with graphs), prefill_mode (full-stack
 or CED prefill, --prefill-mode; a CED prefill counts as one forward), packed_cache (live caches as
 packed bytes, the rollout workers' default, --packed-cache), flavor, device, impl,
 sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwards, warmup_s,
@@ -64,7 +65,6 @@ from model.tokenizer import Tokenizer  # noqa: E402
 # (min prompt, max prompt, new tokens) per flavor; --quick shrinks them
 DEFAULTS = {"debug": (8, 48, 16), "tiny": (32, 256, 32), "small": (256, 2047, 128)}
 QUICK = {"sessions": (1, 4), "lens": (5, 20), "new_tokens": 6}
-WARMUP_TOKENS = 3
 PROFILE_STEPS, PROFILE_TOP = 8, 25  # --profile: decode steps profiled, functions and kernels listed
 OVERRIDES = {f: default_tokenizer_fit() for f in ("debug", "small")}
 
@@ -121,24 +121,33 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     n = len(prompts)
     before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
-                             max_seq_len=max(map(len, prompts)) + WARMUP_TOKENS + new_tokens + 2 * PROFILE_STEPS + 8,
+                             max_seq_len=max(map(len, prompts)) + new_tokens + 2 * PROFILE_STEPS + 8,
                              prefill_mode=prefill_mode, compile_decode=compiled, packed_cache=packed,
                              overlap_decode=overlap)  # fmt: skip
     compiled = engine._decode_forward is not None  # None above: the engine's own choice
-    # first-call allocations, rope tables; one token (drawn from the prefill's logits): no decode step,
-    # so a compiled engine compiles only the bucket of the row's sessions
-    warm = engine.start(prompts[0])
-    engine.generate([warm], 1, temperature=1.0, stop_ids=(), seed=0)
-    engine.close(warm)
+    # warm-up: sessions of the same prompts, through the same calls as the timed ones: a decode batch's
+    # banks are sized from its longest row plus the call's new tokens (model/engine.py, GRAPH_TOKENS
+    # steps), so a shorter warm-up could size them differently and leave the timed call to capture its
+    # graphs, and a compiled engine to compile every kind of layer again, inside the measurement
+    _sync(device)
+    tw = time.perf_counter()
+    warm = [engine.start(p) for p in prompts]
+    engine.generate(warm, 1, temperature=1.0, stop_ids=(), seed=0)
+    engine.generate(warm, new_tokens, temperature=1.0, stop_ids=(), seed=0)
+    for sid in warm:
+        engine.close(sid)
+    _sync(device)
+    t1w = time.perf_counter()
     sids = [engine.start(p) for p in prompts]
     calls_p = engine.stats["forward_calls"]
-    _sync(device)
     t0 = time.perf_counter()
     engine.prefill(sids)
     _sync(device)
     t1 = time.perf_counter()
     prefill_forwards = engine.stats["forward_calls"] - calls_p
-    engine.generate(sids, WARMUP_TOKENS, temperature=1.0, stop_ids=(), seed=0)  # captures this batch's graphs
+    # one token drawn from the prefill's logits (no forward): the timed call's sessions then lack only
+    # their newest token, and each of its tokens costs one decode step
+    engine.generate(sids, 1, temperature=1.0, stop_ids=(), seed=1)
     _sync(device)
     t2 = time.perf_counter()
     calls0 = engine.stats["forward_calls"]
@@ -158,7 +167,7 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         "device": _device_name(device), "impl": args.impl, "sessions": n,
         "prompt_lens": [min(lens), max(lens), len(set(lens))],
         "new_tokens": new_tokens, "prefill_s": round(t1 - t0, 4), "prefill_forwards": prefill_forwards,
-        "warmup_s": round(t2 - t1, 4), "graph_captures": engine.graphs.captures if engine.graphs else 0,
+        "warmup_s": round(t1w - tw, 4), "graph_captures": engine.graphs.captures if engine.graphs else 0,
         "decode_s": round(t3 - t2, 4), "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t3 - t2), 1),
         "ms_per_step": round((t3 - t2) / new_tokens * 1e3, 3),
         "forwards_per_decode_step": round(forwards / new_tokens, 3),
