@@ -1,6 +1,6 @@
 """Benchmark of the Triton kernels against their torch references, one JSON line per measurement.
 
-    python bench/kernels.py [--quick] [--no-compile] [--eager-launch] [--only quant,mhc,attn,moe,step]
+    python bench/kernels.py [--quick] [--no-compile] [--eager-launch] [--only quant,mhc,mhc_decode,attn,moe,step]
 
 For each kernel, in one process on one GPU: Triton time (best of a small tile sweep), the torch
 reference eager and under `torch.compile`, achieved GB/s (bytes the op must move) or TFLOP/s, and
@@ -246,6 +246,40 @@ def bench_mhc(copy_bw: float, quick: bool) -> None:
     compare("mhc_fwd_bwd", None, lambda: fwd_bwd(km.hc_post_mixes_pre_ref), nbytes_fb, None, copy_bw, sweep,
              compiled_fn=lambda: fwd_bwd(compiled_ref), check=rel_err, T=T, D=D)  # fmt: skip
     km.CONFIG.update(default)
+
+
+def bench_mhc_decode(copy_bw: float, quick: bool) -> None:
+    """The fused mHC forward boundary at decode shapes: `small`'s width, the tokens of one decode step (1,
+    64 and 256 sessions). Sweeps the finalize's token tile (FWD_CONFIG["BT_FINALIZE"]): a step's
+    Sinkhorn runs on cdiv(T, tile) programs, so the tile decides how many of them share its 64 rows."""
+    from kernels import mhc as km
+    from model.mhc import init_hc_params
+
+    D, dt = 1024, torch.bfloat16
+    default_fwd = dict(km.FWD_CONFIG)
+    p = init_hc_params(D, 4, device="cuda")
+    kw = {"norm_eps": 1e-20, "hc_eps": 1e-6}
+    for T in (1, 64) if quick else (1, 64, 256):
+        g = torch.Generator(device="cuda").manual_seed(T)
+        ins = [torch.randn(T, D, device="cuda", dtype=dt), torch.randn(T, 4, D, device="cuda", dtype=dt),
+               2 * torch.rand(T, 4, device="cuda", generator=g), torch.rand(T, 4, 4, device="cuda", generator=g),
+               torch.rand(T, 4, device="cuda", generator=g), p["fn"], p["scale"], p["base"]]  # fmt: skip
+        km.FWD_CONFIG.update(default_fwd)
+        base_out = km.hc_post_mixes_pre(*ins, **kw)
+        sweep = []
+        for fin in (64, 32, 16, 8):
+            cfg = {**default_fwd, "BT_FINALIZE": fin}
+
+            def run(cfg=cfg, ins=ins):
+                km.FWD_CONFIG.update(cfg)
+                return km.hc_post_mixes_pre(*ins, **kw)
+
+            sweep.append((cfg, run))
+        # every token's Sinkhorn is its own: any tile must give the default tile's outputs bit for bit
+        check = lambda o, base_out=base_out: all(torch.equal(a, b) for a, b in zip(o, base_out))
+        ref = lambda ins=ins: km.hc_post_mixes_pre_ref(*ins, **kw)
+        compare("mhc_fwd_decode", None, ref, T * 10 * D * 2, None, copy_bw, sweep, check=check, rounds=3, T=T, D=D)
+    km.FWD_CONFIG.update(default_fwd)
 
 
 def bench_attn(copy_bw: float, quick: bool) -> None:
@@ -580,6 +614,7 @@ def main() -> None:
         ("quant", bench_quant),
         ("attn", bench_attn),
         ("mhc", bench_mhc),
+        ("mhc_decode", bench_mhc_decode),
         ("step", functools.partial(bench_step, dtype=getattr(torch, args.step_dtype))),
     )
     for name, fn in benches:

@@ -54,7 +54,10 @@ CONFIG = {"BT": 16, "BD": 64, "num_warps": 4, "num_stages": 1, "programs": 2048}
 # The fused forward boundary (_hc_fwd_kernel + _hc_finalize_kernel) has its own tiles: wider token
 # tiles amortise the fn slice each program reads per D chunk (the sweep at T 4096, D 5120: 0.62 ms
 # for BT 64 x BD 32 against 1.10 ms with the backward's 16 x 64).
-FWD_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4, "num_stages": 1, "programs": 1024}
+# BT_FINALIZE: tokens per program of the finalize (the D-split partials' sum and Sinkhorn, each token on
+# its own): a decode step has a few to a few hundred tokens, and with the forward's 64 one program ran a
+# whole 64-row step's Sinkhorn (bench/kernels.py --only mhc_decode sweeps it at decode shapes)
+FWD_CONFIG = {"BT": 64, "BD": 32, "num_warps": 4, "num_stages": 1, "programs": 1024, "BT_FINALIZE": 64}
 
 
 def _interpreting() -> bool:
@@ -498,9 +501,10 @@ def _fwd(f, res, post, comb, pc, fn, scale, base, norm_eps, hc_eps, iters):
             )  # fmt: skip
 
         _with_dot_fallback(launch)
-        _hc_finalize_kernel[(n_t,)](
+        fin_bt = cfg["BT_FINALIZE"]
+        _hc_finalize_kernel[(triton.cdiv(T, fin_bt),)](
             pacc, psq, scale, base, mix, r, pre_n, post_n, comb_n,
-            T, splits, float(HC * D), norm_eps, hc_eps, ITERS=iters, BT=bt, **_launch_opts(cfg),
+            T, splits, float(HC * D), norm_eps, hc_eps, ITERS=iters, BT=fin_bt, **_launch_opts(cfg),
         )  # fmt: skip
     return (xnew if has_post else None), xin, mix, r, pre_n, post_n, comb_n
 
