@@ -264,7 +264,7 @@ def bench_mhc_decode(copy_bw: float, quick: bool) -> None:
         ins = [torch.randn(T, D, device="cuda", dtype=dt), torch.randn(T, 4, D, device="cuda", dtype=dt),
                2 * torch.rand(T, 4, device="cuda", generator=g), torch.rand(T, 4, 4, device="cuda", generator=g),
                torch.rand(T, 4, device="cuda", generator=g), p["fn"], p["scale"], p["base"]]  # fmt: skip
-        km.FWD_CONFIG.update(default_fwd)
+        km.FWD_CONFIG.update({**default_fwd, "BT_FINALIZE": 64})  # the forward's own tile: the baseline
         base_out = km.hc_post_mixes_pre(*ins, **kw)
         sweep = []
         for fin in (64, 32, 16, 8):
@@ -275,8 +275,13 @@ def bench_mhc_decode(copy_bw: float, quick: bool) -> None:
                 return km.hc_post_mixes_pre(*ins, **kw)
 
             sweep.append((cfg, run))
-        # every token's Sinkhorn is its own: any tile must give the default tile's outputs bit for bit
-        check = lambda o, base_out=base_out: all(torch.equal(a, b) for a, b in zip(o, base_out))
+        # the streams must be the default tile's bit for bit; the coefficients (each token's Sinkhorn) may
+        # round differently with the tile's layout: their largest difference from the default tile's
+        check = lambda o, base_out=base_out: [
+            torch.equal(o[0], base_out[0]),
+            torch.equal(o[1], base_out[1]),
+            max((a - b).abs().max().item() for a, b in zip(o[2:], base_out[2:])),
+        ]
         ref = lambda ins=ins: km.hc_post_mixes_pre_ref(*ins, **kw)
         compare("mhc_fwd_decode", None, ref, T * 10 * D * 2, None, copy_bw, sweep, check=check, rounds=3, T=T, D=D)
     km.FWD_CONFIG.update(default_fwd)
