@@ -172,8 +172,9 @@ class InferenceEngine(SpeculativeDecoding):
         # (model/ragged_cache.py compile_decode: one compile per kind of layer and graph bucket, fewer
         # buckets, shared by the process's engines), captured by the graphs. On wherever the graphs
         # are: on an H100 a compiled `small` step takes 66-68% of the graph step's time at 1 and 64
-        # sessions (docs/engine_throughput.md); the price is a compile the first time a bucket runs
-        # (~100 s for 1 row, ~240 s for 64)
+        # sessions (docs/engine_throughput.md); the price is a compile the first time a bucket runs with
+        # a bank size (GRAPH_TOKENS steps of its longest row plus the call's new tokens): on an H100 ~100 s
+        # for 1 row, ~150-240 s for 64
         if compile_decode is None:
             compile_decode = cuda_graphs
         if compile_decode and record_routing:

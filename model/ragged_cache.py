@@ -345,9 +345,9 @@ class RaggedBatch:
 
 # live-row counts decode graphs are captured for: n live rows run in the smallest bucket >= n
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# with a compiled forward each bucket costs compiles (one per kind of layer; for `small` on an H100
-# ~100 s at 1 row, ~240 s at 64): fewer buckets, more padding (a step's time grows far slower than
-# its rows below 256)
+# with a compiled forward each bucket costs compiles (one per kind of layer, and again for every bank
+# size it meets: the banks' shapes are the graphs' too; for `small` on an H100 ~100 s at 1 row,
+# ~150-240 s at 64): fewer buckets, more padding (a step's time grows far slower than its rows below 256)
 COMPILED_BUCKETS = (1, 4, 16, 64, 128, 256)
 # dynamo backend of compile_decode ("aot_eager" traces the same graphs without inductor's kernels:
 # an ablation of the fusion itself)

@@ -222,7 +222,8 @@ class RolloutConfig:
     spec_min_speedup: float = 1.0  # model.speculative.SpeculativeConfig.min_speedup
     # compile_decode: where the engine's decode steps replay CUDA graphs (CUDA, impl=triton, no routing
     # recording), their layers are compiled by inductor first: ~1.5x faster steps for a compile of
-    # minutes the first time each batch bucket runs (model/engine.py); false keeps the graphs uncompiled
+    # minutes the first time each batch bucket runs with each bank size (GRAPH_TOKENS steps of the
+    # longest session: episodes that grow meet new ones; model/engine.py); false keeps the graphs uncompiled
     compile_decode: bool = True
     # "engine": episodes call the worker's engine in-process; "server": the worker serves its engine with
     # flashpost-serve on loopback and the episodes reach it only through the OpenAI API (rl/serve_rollout.py)
