@@ -236,7 +236,8 @@ class InferenceEngine(SpeculativeDecoding):
         # positions), tokens generated, tokens the decoder replayed in CED prefills, rows of overlapped
         # steps that had stopped (fed ahead, rolled back): for benches and tests
         self.stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_generated": 0, "replay_tokens": 0,
-                      "decode_steps": 0, "speculation_off_calls": 0, "rows_rolled_back": 0}  # fmt: skip
+                      "decode_steps": 0, "speculation_off_calls": 0, "rows_rolled_back": 0,
+                      "rows_joined_in_place": 0}  # fmt: skip
         self._next_id = 0
         # DSpark speculation: caches keep max_draft tokens of rollback, fed tokens keep their DSpark context
         self.speculative = speculative
@@ -610,22 +611,33 @@ class InferenceEngine(SpeculativeDecoding):
                 if ahead is not None:
                     logits_BV = ahead
                     continue
-                if joined:  # joiners prefill, draw their first token, and the batch is rebuilt with them
+                if joined:  # joiners prefill, draw their first token, and join the batch
                     first = len(sessions)
                     idx = self._join(joined, session_ids_all, sessions, outs, gens, active)
                     for i in sorted(set(range(first, len(sessions))) - set(idx)):  # at max_seq_len already
                         if on_finish is not None:
                             on_finish(session_ids_all[i], outs[i])
                     idx = sample_step(idx, None)
-                    if batch is not None:
+                    # each row's longest: its length when its turn in this call began, plus the call's limit
+                    longest = max_new_tokens + max(
+                        (len(sessions[i].token_ids) - len(outs[i].token_ids) for i in active + idx), default=0
+                    )
+                    if self.graphs is not None or self._decode_forward is not None:
+                        longest = -(-longest // GRAPH_TOKENS) * GRAPH_TOKENS
+                    grown = min(self.max_seq_len, max(max_tokens, longest))
+                    # the joiners' rows go in after the batch's own where its banks and storage hold them;
+                    # otherwise every row's cache comes out and the next step rebuilds the batch
+                    if batch is not None and idx and grown == max_tokens and batch.extend(
+                        [sessions[i].cache for i in idx]
+                    ):
+                        rows = rows + idx
+                        self.stats["rows_joined_in_place"] += len(idx)
+                    elif batch is not None:
                         for i, cache in zip(rows, batch.split()):
                             sessions[i].cache = cache
                         batch, rows = None, []
                     active = active + idx
-                    longest = max((len(sessions[i].token_ids) for i in active), default=0) + max_new_tokens
-                    if self.graphs is not None:
-                        longest = -(-longest // GRAPH_TOKENS) * GRAPH_TOKENS
-                    max_tokens = min(self.max_seq_len, max(max_tokens, longest))
+                    max_tokens = grown
                 if active:
                     if batch is None:
                         batch, rows = self._decode_batch(sessions, active, max_tokens), active

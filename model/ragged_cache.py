@@ -338,6 +338,49 @@ class RaggedBatch:
         self.dspark = [self.dspark[b] for b in kept]
         return out
 
+    def extend(self, caches: list[ModelCache]) -> bool:
+        """Add rows (caches fed up to their seq_len) after the live ones, in place: the new rows are laid
+        out by a batch of their own with this one's bank size, then copied into the rows after the live
+        ones (on graph storage, into its padding rows, whose addresses the graphs read; else each field
+        grows by them). Returns False, changing nothing, where they do not fit: a decode batch only,
+        more rows than the storage holds, other cache fields, or a row the banks cannot hold (the caller
+        then rebuilds the batch with every row). A join then costs one copy of the new rows instead of
+        a split and a rebuild of all of them."""
+        n, k = self.size, len(caches)
+        room = self._graphs.capacity if self._graphs is not None else None
+        if self.slack or not n or not caches or (room is not None and n + k > room):
+            return False
+        if any((c.seq_len + 1) // r > s - 1 for c in caches for r, s in self.slots.items()):
+            return False
+        mine = self.fields()
+        # the new rows' tensors are made as this batch's were (inference tensors or not: a compiled step
+        # guards on it)
+        inference = getattr(*mine[0]).is_inference()
+        with torch.inference_mode(inference):
+            new = RaggedBatch(self.model, caches, self.max_tokens, hasher=self.hasher)
+        theirs = new.fields()
+        if [name for _, name in mine] != [name for _, name in theirs] or any(
+            getattr(o, a).shape[1:] != getattr(q, b).shape[1:] or getattr(o, a).dtype != getattr(q, b).dtype
+            for (o, a), (q, b) in zip(mine, theirs)
+        ) or new.rb != self.rb or set(self.rings) != set(new.rings):
+            return False
+        if self._graphs is not None:
+            self._graphs.put(n, [getattr(q, b) for q, b in theirs])
+        else:
+            with torch.inference_mode(inference):
+                for (o, a), (q, b) in zip(mine, theirs):
+                    cur = getattr(o, a)
+                    # rings keep their spare entry in front (the strides a decode step leaves them)
+                    spare = 0 if a in _LAYER_BANKS else 1
+                    out = cur.new_zeros(n + k, cur.size(1) + spare, *cur.shape[2:])[:, spare:]
+                    out[:n], out[n:] = cur, getattr(q, b)
+                    setattr(o, a, out)
+        rings, added = self.rings, new.rings
+        self.rings = {key: (keep, lens + added[key][1]) for key, (keep, lens) in rings.items()}
+        self.pos = self.pos + new.pos
+        self.dspark = self.dspark + new.dspark
+        return True
+
     def split(self) -> list[ModelCache]:
         """Every row's cache, in order (the batch is empty afterwards)."""
         return self.take(list(range(self.size)))
@@ -527,6 +570,19 @@ class _BatchGraphs:
                 v.copy_(new)
                 setattr(o, name, v)
         return out
+
+    @property
+    def capacity(self) -> int:
+        """Rows the storage holds (the bucket it was built for)."""
+        return self.st.tensors[0].size(0)
+
+    def put(self, start: int, tensors: list[torch.Tensor]) -> None:
+        """Write rows into the storage from row `start` on (the batch's fields in order, rows first), in
+        place; the next step copies every row's position in again."""
+        for (o, name), t, src in zip(self.fields, self.st.tensors, tensors):
+            t[start : start + src.size(0)] = src
+            setattr(o, name, t)
+        self.pos_on_device, self.views_b = False, 0
 
     def compact(self, idx: torch.Tensor) -> None:
         """Keep rows idx (in order) as the first rows of the storage, in place."""

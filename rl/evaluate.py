@@ -80,8 +80,10 @@ def _summary(rows: list[dict]) -> dict:
 def throughput(episodes: int, wall_s: float, tokens: int, engine_before: dict, engine_after: dict) -> dict:
     """How fast an evaluation's episodes ran: episodes and generated tokens per second of the episodes'
     wall time (sandboxes and grading included), and the engine's forwards and decode steps, whose ratio
-    shows how well the concurrent episodes shared forwards."""
-    steps = {k: engine_after.get(k, 0) - engine_before.get(k, 0) for k in ("forward_calls", "decode_steps")}
+    shows how well the concurrent episodes shared forwards, and how many turns joined a running batch in
+    place (the others rebuilt it)."""
+    keys = ("forward_calls", "decode_steps", "rows_joined_in_place")
+    steps = {k: engine_after.get(k, 0) - engine_before.get(k, 0) for k in keys}
     return {"episodes": episodes, "wall_s": round(wall_s, 2), "episodes_per_s": round(episodes / max(wall_s, 1e-9), 3),
             "tokens_generated": tokens, "tokens_per_s": round(tokens / max(wall_s, 1e-9), 1), **steps}
 
@@ -179,7 +181,8 @@ def markdown(report: dict) -> str:
     if t := report.get("throughput"):
         lines += ["", f"{t['episodes']} episodes in {t['wall_s']:.1f} s ({t['episodes_per_s']:.2f} episodes/s, "
                   f"{t['tokens_per_s']:.1f} generated tokens/s; {t['forward_calls']} engine forwards, "
-                  f"{t['decode_steps']} of them decode steps)"]  # fmt: skip
+                  f"{t['decode_steps']} of them decode steps; {t.get('rows_joined_in_place', 0)} turns joined a "
+                  "running batch in place)"]  # fmt: skip
     if report["unscored_tasks"]:
         lines += ["", f"Not scored (every sample an infrastructure failure): {', '.join(report['unscored_tasks'])}"]
     return "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """CUDA-graph decode (model/ragged_cache.py GraphPool), with and without the inductor-compiled step
 (compile_decode), against the eager engine on the GPU: sessions of mixed lengths get token for token
 what the eager decode gives them (greedy and seeded), also while sessions leave the batch and when a
-later call replays the graphs of an earlier one."""
+later call replays the graphs of an earlier one, and when sessions join a running call in place."""
 
 import dataclasses
 
@@ -75,3 +75,33 @@ def test_packed_graph_decode_equals_dense(temperature):
     for (toks_d, lps_d), (toks_p, lps_p) in zip(dense, packed):
         assert toks_p == toks_d
         torch.testing.assert_close(torch.tensor(lps_p), torch.tensor(lps_d), atol=ATOL, rtol=0)
+
+
+def _run_joins(graphs: bool) -> tuple[list, InferenceEngine]:
+    """Five sessions decode (a bucket of 8 rows); two more join the running call (`admit`) at the third
+    and sixth polls, short enough for the batch's banks: on graph storage they go into its padding rows."""
+    model = Transformer(ARGS)
+    model.init_weights(seed=0, std=0.1)
+    engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()), device="cuda", cuda_graphs=graphs,
+                             compile_decode=False)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(32, ARGS.vocab_size, (n,), generator=g).tolist() for n in (30, 17, 9, 4, 1, 6, 2)]
+    first = [engine.start(p) for p in prompts[:5]]
+    polls = []
+
+    def admit():
+        polls.append(1)
+        k = {3: 5, 6: 6}.get(len(polls))
+        return [(engine.start(prompts[k]), 10 + k)] if k is not None else []
+
+    outs = engine.generate(first, 10, temperature=1.0, stop_ids=(), seed=[10, 11, 12, 13, 14], admit=admit)
+    return [(o.token_ids, o.logprobs) for o in outs], engine
+
+
+def test_sessions_join_graph_storage_in_place():
+    eager, _ = _run_joins(False)
+    graphed, engine = _run_joins(True)
+    assert engine.stats["rows_joined_in_place"] == 2 and engine.graphs.captures >= 1
+    for (toks_e, lps_e), (toks_g, lps_g) in zip(eager, graphed, strict=True):
+        assert toks_g == toks_e
+        torch.testing.assert_close(torch.tensor(lps_g), torch.tensor(lps_e), atol=ATOL, rtol=0)

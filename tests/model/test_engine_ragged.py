@@ -211,3 +211,63 @@ def test_sessions_join_a_running_generate_between_steps(model, template, hasher)
         _check(g, *_loop(model, hasher, p, 8, 0.9, 0.95, seed)[:2])
     with pytest.raises(ValueError, match="only once at a time"):
         engine.generate([0], 3, stop_ids=(), admit=lambda: [(0, 1)])
+    # the joiner's 19-token prompt needs longer banks than the first two sessions': the batch is rebuilt
+    assert engine.stats["rows_joined_in_place"] == 0
+
+
+def test_sessions_join_in_place_where_the_batch_holds_them(model, template, hasher):
+    """Joiners whose rows fit the running batch's banks go in after its rows, in place: the first one
+    while both first sessions decode, the second after they have stopped and left the batch; every
+    session still gets its own loop's tokens."""
+    prompts = [_prompt(n, 150 + n) for n in (19, 12, 5, 9, 3)]
+    engine = InferenceEngine(model, template, max_sessions=8)
+    first = [engine.start(p) for p in prompts[:2]]
+    polls = []
+    joins = {2: 2, 4: 3, 10: 4}  # poll -> prompt index; by poll 10 the first two have drawn their 8 tokens
+
+    def admit():
+        polls.append(len(polls) + 1)
+        k = joins.get(len(polls))
+        return [(engine.start(prompts[k]), 40 + k)] if k is not None else []
+
+    gens = engine.generate(first, 8, temperature=0.9, top_p=0.95, stop_ids=(), seed=[40, 41], admit=admit)
+    assert len(gens) == 5 and engine.stats["rows_joined_in_place"] == 3
+    for p, seed, g in zip(prompts, range(40, 45), gens):
+        _check(g, *_loop(model, hasher, p, 8, 0.9, 0.95, seed)[:2])
+
+
+def _prefilled_caches(model, template, lengths: tuple[int, ...]) -> list[ModelCache]:
+    engine = InferenceEngine(model, template, max_sessions=len(lengths))
+    sids = [engine.start(_prompt(n, 160 + n)) for n in lengths]
+    engine.prefill(sids)
+    return [engine.cache(s) for s in sids]
+
+
+@pytest.mark.parametrize("storage", [False, True])
+def test_extend_lays_rows_out_as_a_batch_built_with_them(model, template, hasher, storage):
+    """RaggedBatch.extend: the rows added after the live ones hold what a batch built with every row
+    holds, field by field (on graph storage, whose padding rows take them, too: a GraphPool on the CPU,
+    its graphs never run here); it refuses rows its storage or banks cannot hold and changes nothing."""
+    from model.ragged_cache import GraphPool, RaggedBatch
+
+    caches = _prefilled_caches(model, template, LENGTHS)
+    max_tokens = max(LENGTHS) + 8
+    with torch.inference_mode(not storage):
+        grown = RaggedBatch(model, caches[:3], max_tokens, pool=GraphPool() if storage else None, hasher=hasher)
+        whole = RaggedBatch(model, caches[:4], max_tokens, hasher=hasher)
+    assert grown.extend(caches[3:4])
+    assert grown.pos == whole.pos and grown.rings == whole.rings
+    for (o, a), (q, b) in zip(grown.fields(), whole.fields(), strict=True):
+        assert a == b and torch.equal(getattr(o, a)[:4], getattr(q, b)), a
+    # a bucket of 4 rows is full; banks of max_tokens cannot hold a 30-token row's next token
+    before = (list(grown.pos), [getattr(o, a).clone() for o, a in grown.fields()])
+    if storage:
+        assert not grown.extend(caches[4:5])
+    with torch.inference_mode(not storage):
+        short = RaggedBatch(model, caches[:2], 20)
+    assert not short.extend(caches[5:6])
+    assert (list(grown.pos), [getattr(o, a).clone() for o, a in grown.fields()])[0] == before[0]
+    assert all(torch.equal(x, getattr(o, a)) for x, (o, a) in zip(before[1], grown.fields()))
+    if not storage:  # the grown batch decodes as the one built whole
+        ids = [7, 8, 9, 10]
+        torch.testing.assert_close(grown.decode(ids), whole.decode(ids), rtol=0, atol=ATOL)
