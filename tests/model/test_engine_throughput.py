@@ -1,6 +1,6 @@
 """bench/engine_throughput.py's CPU quick mode runs as users run it (a subprocess from the repository
 root) and reports one forward per decode step for sessions of mixed prompt lengths, and one CED
-prefill for all of them."""
+prefill for all of them; bench/engine_joins.py times a join both ways."""
 
 import json
 import os
@@ -39,3 +39,13 @@ def test_profile_rows_follow_their_engine_rows_and_leave_them_as_they_were():
     assert prof["kernel_busy_ms_per_step"] == 0 and prof["top_kernels"] == []  # no device kernels on CPU
     names = [name for name, _, _ in prof["top_host"]]
     assert len(names) > 0 and all(ms >= 0 for _, ms, _ in prof["top_host"])
+
+
+def test_joins_bench_times_extend_beside_split_and_rebuild():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.engine_joins", "--device", "cpu", "--flavor", "debug", "--sessions", "3", "5",
+           "--joiners", "2", "--prompt-lens", "10", "30", "--reps", "2", "--threads", "1"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["sessions"], r["joiners"]) for r in rows] == [(3, 2), (5, 2)]
+    assert all(r["extend_ms"] > 0 and r["split_rebuild_ms"] > 0 and r["fields"] > 0 for r in rows)
