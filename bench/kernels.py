@@ -496,7 +496,7 @@ def _decode_bounds(kv, idxs, copy_bw, sets):
     K = idxs.size(-1)
     out = torch.empty(triton.cdiv(K, 32), B, Dh, device=kv.device)
     probe = lambda: gather_rows_probe[(B, 4)](idxs, kv, out, N, K, DH=Dh, ROWS=16, SPLIT=4, num_warps=4)
-    # the best of a session-11 sweep (54 looped tiles: rows per load, splits, stages, warps; one-shot
+    # the best of an earlier sweep on the H200 (54 looped tiles: rows per load, splits, stages, warps; one-shot
     # tiles of 8-128 rows): looped 41.7%, one-shot 43.5% of HBM
     tile_probe = lambda: gather_tile_probe[(B, triton.cdiv(K, 32))](idxs, kv, out, N, K, DH=Dh, CH=32, num_warps=2)
     gathered = B * K * Dh * kv.element_size()
