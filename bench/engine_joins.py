@@ -59,8 +59,11 @@ def run(model, device, prompts: list[list[int]], joiners: int, reps: int) -> dic
             return RaggedBatch(model, rows, max_tokens, pool=pool, hasher=hasher)
 
     def extend_ms() -> float:
-        b = batch(stay)
-        t = _timed(lambda: b.extend(join), device)
+        b, done = batch(stay), []
+        t = _timed(lambda: done.append(b.extend(join)), device)
+        if not done[0]:  # on graph storage: more rows than the bucket of the batch's own rows holds
+            raise SystemExit(f"{len(join)} joiners do not fit the storage of a {len(stay)}-row batch: pick --sessions "
+                             f"and --joiners that stay inside one bucket (model/ragged_cache.py GRAPH_BUCKETS)")
         b.split()  # frees its storage for the next batch of its layout
         return t
 
