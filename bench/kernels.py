@@ -275,8 +275,8 @@ def bench_mhc_decode(copy_bw: float, quick: bool) -> None:
                 return km.hc_post_mixes_pre(*ins, **kw)
 
             sweep.append((cfg, run))
-        # the streams must be the default tile's bit for bit; the coefficients (each token's Sinkhorn) may
-        # round differently with the tile's layout: their largest difference from the default tile's
+        # the streams must be the 64 tile's bit for bit; the coefficients (each token's Sinkhorn) may round
+        # differently with the tile's layout: their largest difference from the 64 tile's
         check = lambda o, base_out=base_out: [
             torch.equal(o[0], base_out[0]),
             torch.equal(o[1], base_out[1]),
