@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 
-from bench.engine_throughput import OVERRIDES, mixed_prompts  # noqa: E402
+from bench.engine_throughput import OVERRIDES, _sync, mixed_prompts  # noqa: E402
 from bench.model_step import build_model  # noqa: E402
 from model.config import get_flavor  # noqa: E402
 from model.engine import InferenceEngine  # noqa: E402
@@ -35,12 +35,10 @@ from model.tokenizer import Tokenizer  # noqa: E402
 
 
 def _timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - t0
 
 

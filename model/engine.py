@@ -557,11 +557,7 @@ class InferenceEngine(SpeculativeDecoding):
         # decode: the sessions that go on are the rows of one RaggedBatch (one forward per step);
         # rows[k] is the call index of batch row k, in the order of `active`
         batch, rows, logits_BV = None, [], None
-        max_tokens = min(self.max_seq_len, max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
-        # banks sized in steps of GRAPH_TOKENS: later calls reuse the graphs, and the compiled layers (their
-        # shapes include the banks')
-        if self.graphs is not None or self._decode_forward is not None:
-            max_tokens = min(self.max_seq_len, -(-max_tokens // GRAPH_TOKENS) * GRAPH_TOKENS)
+        max_tokens = self._bank_tokens(max((len(s.token_ids) for s in sessions), default=0) + max_new_tokens)
         limits = (stops, stop_strings, stop_when, max_new_tokens)
 
         def finished(idx: list[int], still: list[int]) -> None:
@@ -622,9 +618,7 @@ class InferenceEngine(SpeculativeDecoding):
                     longest = max_new_tokens + max(
                         (len(sessions[i].token_ids) - len(outs[i].token_ids) for i in active + idx), default=0
                     )
-                    if self.graphs is not None or self._decode_forward is not None:
-                        longest = -(-longest // GRAPH_TOKENS) * GRAPH_TOKENS
-                    grown = min(self.max_seq_len, max(max_tokens, longest))
+                    grown = max(max_tokens, self._bank_tokens(longest))
                     # the joiners' rows go in after the batch's own where its banks and storage hold them;
                     # otherwise every row's cache comes out and the next step rebuilds the batch
                     if batch is not None and idx and grown == max_tokens and batch.extend(
@@ -649,6 +643,14 @@ class InferenceEngine(SpeculativeDecoding):
         for out in outs:
             self._finish_text(out)
         return outs
+
+    def _bank_tokens(self, longest: int) -> int:
+        """Tokens a decode batch's banks are sized for when its longest row may reach `longest` (at most
+        max_seq_len): in steps of GRAPH_TOKENS where decode steps replay graphs or compiled layers, so
+        later calls reuse them (the compiled layers' shapes include the banks')."""
+        if self.graphs is not None or self._decode_forward is not None:
+            longest = -(-longest // GRAPH_TOKENS) * GRAPH_TOKENS
+        return min(self.max_seq_len, longest)
 
     def _finish_text(self, out: Generation) -> None:
         if self.tokenizer is not None:
