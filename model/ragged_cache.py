@@ -39,9 +39,9 @@ from collections.abc import Callable
 
 import torch
 
-from model.attention import LayerCache
+from model.attention import LayerCache, build_ragged_layout
 from model.engram import EngramHasher
-from model.transformer import ModelCache, Transformer, make_engram_inputs, run_layer
+from model.transformer import ModelCache, Transformer, make_engram_inputs, ragged_head, run_layer
 
 # ModelCache fields that are rings, and how many entries each keeps beyond max_rollback
 # CUDA-graph decode batches size their banks in multiples of this many tokens, so that generate calls
@@ -431,7 +431,11 @@ def compile_decode(model: Transformer) -> Callable:
         layer.ffn.refresh_expert_offsets()  # eager: weights that moved get new offset tables
         return compiled(layer, *args)
 
-    return functools.partial(model.forward_ragged, layer_fn=layer_fn)
+    # the glue around the layers compiled too: eager, the layout and the head were ~80 small kernels of
+    # a `small` step (one per op: the layout's index arithmetic, the final collapse and norm)
+    glue = {"layout_fn": build_ragged_layout, "head_fn": ragged_head}
+    glue = {k: torch.compile(f, dynamic=False, backend=COMPILE_BACKEND, options=options) for k, f in glue.items()}
+    return functools.partial(model.forward_ragged, layer_fn=layer_fn, **glue)
 
 
 _MAX_STORAGES = 4  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)

@@ -237,6 +237,15 @@ def run_layer(
     return h_BSCD, *layer(h_BSCD, pre_mix_BSC, ctx, cache, image_mask)
 
 
+def ragged_head(model: Transformer, streams: Streams, n_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A ragged call's ending: (the fp32 logits [B,V] after each row's last real token, the DSpark
+    context [B,S,X] or None). A function of the model, as `run_layer` is of a layer, so that compiled
+    decode steps compile it (model/ragged_cache.py compile_decode)."""
+    x_BSD, main_hidden = model.collapse(streams)
+    last = (n_real - 1).clamp(min=0)
+    return model.head(x_BSD[torch.arange(x_BSD.size(0), device=x_BSD.device), last].float()), main_hidden
+
+
 def make_engram_inputs(
     hasher: EngramHasher,
     input_ids: torch.Tensor,
@@ -518,6 +527,8 @@ class Transformer(nn.Module):
         engram_inputs: dict[str, Any] | None = None,
         return_main_hidden: bool = False,
         layer_fn: Callable[..., tuple] = run_layer,
+        layout_fn: Callable[..., AttnLayout] = build_ragged_layout,
+        head_fn: Callable[..., tuple] = ragged_head,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B,V] fp32 after each row's last real token: input_ids [B,S] holds row b's next
         n_real[b] tokens (then padding) at positions pos[b].., over model/ragged_cache.py's batched
@@ -528,16 +539,16 @@ class Transformer(nn.Module):
         not used (rows differ).
         engram_inputs as forward_incremental's, required with Engram layers (rows' contexts differ,
         so the caller hashes). With `return_main_hidden`: (logits, DSpark context [B,S,X]).
-        `layer_fn`: what runs each layer (`run_layer`; compiled decode steps pass its compiled version)."""
+        `layer_fn`, `layout_fn`, `head_fn`: what runs each layer (`run_layer`), builds the attention
+        layout (`build_ragged_layout`) and ends the call (`ragged_head`); compiled decode steps pass
+        their compiled versions."""
         a = self.args
         enc = self.encode_ragged(input_ids, pos, n_real, cache, max_end=max_end, bank_slots=bank_slots,
-                                 engram_inputs=engram_inputs, layer_fn=layer_fn)  # fmt: skip
+                                 engram_inputs=engram_inputs, layer_fn=layer_fn, layout_fn=layout_fn)  # fmt: skip
         streams = enc.streams
         self.run_layers(streams, range(a.n_encoder_layers, a.n_layers), enc.ctx, cache.layers, None, enc.engram_inputs,
                         layer_fn)  # fmt: skip
-        x_BSD, main_hidden = self.collapse(streams)
-        last = (n_real - 1).clamp(min=0)
-        logits = self.head(x_BSD[torch.arange(input_ids.size(0), device=x_BSD.device), last].float())
+        logits, main_hidden = head_fn(self, streams, n_real)
         return (logits, main_hidden) if return_main_hidden else logits
 
     def encode_ragged(
@@ -551,6 +562,7 @@ class Transformer(nn.Module):
         bank_slots: dict[int, int],
         engram_inputs: dict[str, Any] | None = None,
         layer_fn: Callable[..., tuple] = run_layer,
+        layout_fn: Callable[..., AttnLayout] = build_ragged_layout,
     ) -> EncoderPass:
         """The first half of `forward_ragged` (arguments as there): the encoder layers over the rows'
         new tokens, the encoder output remembered when encoder_out_len > 0; the decoder layers'
@@ -561,7 +573,7 @@ class Transformer(nn.Module):
         engram_inputs = self._engram_inputs(input_ids, None, None, engram_inputs, cache)
         self._remember_ids(cache, input_ids, None)
         S = input_ids.size(1)
-        layout = build_ragged_layout(
+        layout = layout_fn(
             pos, n_real, S, a.window_size, cache.layers[0].window_kv.size(1), self.ratios, a.candidate_block_size,
             {r: max_end // r for r in self.ratios}, bank_slots,
         )  # fmt: skip

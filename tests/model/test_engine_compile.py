@@ -15,7 +15,8 @@ from model.chat_template import ChatTemplate
 from model.config import get_flavor
 from model.engine import InferenceEngine
 from model.tokenizer import Tokenizer
-from model.transformer import Transformer, run_layer
+from model.attention import build_ragged_layout
+from model.transformer import Transformer, ragged_head, run_layer
 
 torch.set_num_threads(1)
 
@@ -24,19 +25,19 @@ LENGTHS = (1, 9, 17)
 
 
 class FakeCompile:
-    """torch.compile at the boundary: records its arguments and the calls of what it returns."""
+    """torch.compile at the boundary: records what it compiled with which arguments, and the calls of
+    what it returns (a layer's: its id and the rows and tokens it ran; the glue's: the function)."""
 
     def __init__(self):
-        self.fn = None
         self.kwargs: dict = {}
-        self.calls: list[tuple[int, ...]] = []
+        self.calls: list[tuple] = []
 
     def __call__(self, fn, **kwargs):
-        self.fn, self.kwargs = fn, kwargs
+        self.kwargs[fn] = kwargs
 
-        def compiled(layer, h_BSCD, *args):
-            self.calls.append((layer.layer_id, *h_BSCD.shape[:2]))
-            return fn(layer, h_BSCD, *args)
+        def compiled(first, *args):
+            self.calls.append((first.layer_id, *args[0].shape[:2]) if fn is run_layer else fn)
+            return fn(first, *args)
 
         return compiled
 
@@ -55,10 +56,13 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
     fake = FakeCompile()
     monkeypatch.setattr(ragged_cache.torch, "compile", fake)
     got, engine = _generate(True)
-    assert fake.fn is run_layer  # the per-layer call, not the whole forward
-    assert fake.kwargs["dynamic"] is False  # one compile per bucket shape (ragged_cache.compile_decode: why)
-    # every layer of every decode step (one token per row) and nothing else; the ragged prefill is eager
-    step = [(i, len(LENGTHS), 1) for i in range(ARGS.n_layers)]
+    # the per-layer call and the glue around the layers, not the whole forward
+    assert set(fake.kwargs) == {run_layer, build_ragged_layout, ragged_head}
+    # one compile per bucket shape (ragged_cache.compile_decode: why)
+    assert all(kw["dynamic"] is False for kw in fake.kwargs.values())
+    # every layer of every decode step (one token per row) between its layout and its head, and nothing
+    # else; the ragged prefill is eager
+    step = [build_ragged_layout, *[(i, len(LENGTHS), 1) for i in range(ARGS.n_layers)], ragged_head]
     assert fake.calls == step * engine.stats["decode_steps"]
     assert engine.stats["decode_steps"] == 4  # 5 tokens: the first from the prefill logits
     want, _ = _generate(False)
@@ -66,7 +70,8 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
 
 
 # debug's 8 layers are 7 kinds (SWA + Engram; Full r2; Reuse r2; Full r2 + Engram; Full r1 candidate
-# source; Reuse r1, twice; Reindex r1): one graph each, the second Reuse r1 layer reusing its kind's.
+# source; Reuse r1, twice; Reindex r1): one graph each, the second Reuse r1 layer reusing its kind's;
+# and one each for the layout and the head.
 # aot_eager traces the graphs inductor gets (functionalised, decomposed) and runs them without
 # inductor's kernels; inductor's CPU compile of the 7 graphs takes minutes on one core
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -78,7 +83,7 @@ def test_compiled_decode_gives_eager_tokens(backend, monkeypatch):
     got, engine = _generate(True, temperature=0.0, lengths=lengths, n=6)
     assert engine.stats["decode_steps"] == 5
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 7
+    assert counters["stats"]["unique_graphs"] == 7 + 2
     want, _ = _generate(False, temperature=0.0, lengths=lengths, n=6)
     assert [t for t, _ in got] == [t for t, _ in want]
     torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
@@ -93,7 +98,7 @@ def test_engines_of_one_process_share_the_compiled_layers(monkeypatch):
     torch._dynamo.reset()
     got, first = _generate(True, temperature=0.0)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 7  # one per kind of layer (above)
+    assert graphs == 7 + 2  # one per kind of layer, the layout and the head (above)
     # a second engine of the process (its own torch.compile of run_layer) replays the first one's graphs
     again, second = _generate(True, temperature=0.0)
     assert second._decode_forward is not first._decode_forward
