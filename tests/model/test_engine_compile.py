@@ -11,11 +11,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from model import ragged_cache
+from model.attention import build_ragged_layout
 from model.chat_template import ChatTemplate
 from model.config import get_flavor
 from model.engine import InferenceEngine
 from model.tokenizer import Tokenizer
-from model.attention import build_ragged_layout
 from model.transformer import Transformer, ragged_head, run_layer
 
 torch.set_num_threads(1)
