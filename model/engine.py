@@ -231,6 +231,9 @@ class InferenceEngine(SpeculativeDecoding):
             if self.tokenizer is None:
                 raise ValueError("a model with Engram layers needs an engram_hasher or a tokenizer to build one")
             self._hasher = EngramHasher(model.args, self.tokenizer)
+        # compiled decode steps hash their n-grams compiled too (None: the hasher's own step_hashes)
+        hasher = self._hasher or model.engram_hasher
+        self._decode_hashes = ragged_cache.compile_step_hashes(hasher) if compile_decode and hasher else None
         self._sessions: dict[int, _Session] = {}
         # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
         # positions), tokens generated, tokens the decoder replayed in CED prefills, rows of overlapped
@@ -738,7 +741,8 @@ class InferenceEngine(SpeculativeDecoding):
         # and would compile every layer again at the second step)
         with torch.inference_mode(self.graphs is None):
             return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
-                               forward=self._decode_forward, hasher=self._hasher)  # fmt: skip
+                               forward=self._decode_forward, hasher=self._hasher,
+                               step_hashes=self._decode_hashes)  # fmt: skip
 
     def _decode_step(self, batch: RaggedBatch, group: list[_Session], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed every row's one unfed token (its newest generated one, or `ids` [B] on the device:

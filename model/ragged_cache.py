@@ -81,7 +81,7 @@ class RaggedBatch:
     batches): the batch's tensors live in the pool's storage and `decode` replays its graphs.
     `forward`: what decode steps call in place of model.forward_ragged (`compile_decode`). `hasher`:
     the EngramHasher of decode steps (default: the model's own; prefill steps get their hashes from
-    the caller)."""
+    the caller); `step_hashes`: its decode-step hash compiled (`compile_step_hashes`)."""
 
     def __init__(
         self,
@@ -92,11 +92,13 @@ class RaggedBatch:
         pool: GraphPool | None = None,
         forward: Callable | None = None,
         hasher: EngramHasher | None = None,
+        step_hashes: Callable | None = None,
     ):
         a, c0 = model.args, caches[0]
         self.model = model
         # decode steps hash their Engram n-grams on the device, from the batch's own id ring
         self.hasher = hasher or model.engram_hasher
+        self.step_hashes = step_hashes  # `compile_step_hashes`'s, or None: the hasher's own
         # the decode steps' forward: model.forward_ragged, or `compile_decode`'s (prefill steps run eager)
         self.forward = forward or model.forward_ragged
         self.max_tokens = max_tokens
@@ -266,8 +268,9 @@ class RaggedBatch:
         if self.hasher is None:
             raise ValueError("this model has Engram layers: pass the batch an EngramHasher (hasher=)")
         ring = self.cache.recent_ids
-        hashes = self.hasher.step_hashes(ids_B, ring[: ids_B.size(0), ring.size(1) - (a.engram_max_ngram_size - 1) :],
-                                         pos_B)  # fmt: skip
+        hashes = (self.step_hashes or self.hasher.step_hashes)(
+            ids_B, ring[: ids_B.size(0), ring.size(1) - (a.engram_max_ngram_size - 1) :], pos_B
+        )
         return {"hashes": hashes, "engram_mask": None}
 
     @property
@@ -402,7 +405,8 @@ def compile_decode(model: Transformer) -> Callable:
     goes through torch.compile, and layers of one kind (attention role, ratio, Engram or not) and
     shapes share one compiled graph, their parameters and caches being its inputs (dynamo's
     inline_inbuilt_nn_modules), so a bucket costs a compile per kind of layer, not one of the whole
-    model; the glue around the layers (layout, embedding, head) stays eager. Static shapes (one
+    model; the attention layout and the head (`ragged_head`) are compiled on their own, the embedding
+    and the cache copies around the layers stay eager. Static shapes (one
     compile per kind and batch shape, so per bucket; dynamo's automatic dynamic shapes would make one
     graph serve every bucket, but on an H100 that graph of `small` did not finish compiling in the
     ~6 minutes a run left it, where the static 64-row one took 4), inductor's own CUDA graphs off (a GraphPool
@@ -417,6 +421,32 @@ def compile_decode(model: Transformer) -> Callable:
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 16 * len(GRAPH_BUCKETS))
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 64 * len(GRAPH_BUCKETS))
+    compiled = _compile(run_layer)
+
+    def layer_fn(layer, *args):
+        layer.ffn.refresh_expert_offsets()  # eager: weights that moved get new offset tables
+        return compiled(layer, *args)
+
+    # the glue around the layers compiled too: eager, the layout and the head were ~80 small kernels of
+    # a `small` step (one per op: the layout's index arithmetic, the final collapse and norm)
+    return functools.partial(model.forward_ragged, layer_fn=layer_fn, layout_fn=_compile(build_ragged_layout),
+                             head_fn=_compile(ragged_head))  # fmt: skip
+
+
+def compile_step_hashes(hasher: EngramHasher) -> Callable:
+    """`hasher.step_hashes` compiled for the decode steps of compile_decode: eager, a step's n-gram hash
+    is ~34 small integer ops (one kernel each on CUDA). Its constant tables are made eagerly first."""
+    compiled = _compile(EngramHasher.step_hashes)
+
+    def step_hashes(ids_B: torch.Tensor, context_BC: torch.Tensor, pos_B: torch.Tensor) -> torch.Tensor:
+        hasher._tables(ids_B.device)
+        return compiled(hasher, ids_B, context_BC, pos_B)
+
+    return step_hashes
+
+
+def _compile(fn: Callable) -> Callable:
+    """torch.compile as compile_decode compiles: static shapes, COMPILE_BACKEND, the options below."""
     import torch._inductor.config as inductor_config
 
     # Python floats passed to the Triton kernels typed fp32, as Triton's own launcher types them
@@ -425,17 +455,7 @@ def compile_decode(model: Transformer) -> Callable:
     options = (
         {k: v for k, v in wanted.items() if hasattr(inductor_config, k)} if COMPILE_BACKEND == "inductor" else None
     )
-    compiled = torch.compile(run_layer, dynamic=False, backend=COMPILE_BACKEND, options=options)
-
-    def layer_fn(layer, *args):
-        layer.ffn.refresh_expert_offsets()  # eager: weights that moved get new offset tables
-        return compiled(layer, *args)
-
-    # the glue around the layers compiled too: eager, the layout and the head were ~80 small kernels of
-    # a `small` step (one per op: the layout's index arithmetic, the final collapse and norm)
-    glue = {"layout_fn": build_ragged_layout, "head_fn": ragged_head}
-    glue = {k: torch.compile(f, dynamic=False, backend=COMPILE_BACKEND, options=options) for k, f in glue.items()}
-    return functools.partial(model.forward_ragged, layer_fn=layer_fn, **glue)
+    return torch.compile(fn, dynamic=False, backend=COMPILE_BACKEND, options=options)
 
 
 _MAX_STORAGES = 4  # batch layouts a pool keeps storage and graphs for (the oldest idle one goes first)

@@ -15,6 +15,7 @@ from model.attention import build_ragged_layout
 from model.chat_template import ChatTemplate
 from model.config import get_flavor
 from model.engine import InferenceEngine
+from model.engram import EngramHasher
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer, ragged_head, run_layer
 
@@ -36,7 +37,8 @@ class FakeCompile:
         self.kwargs[fn] = kwargs
 
         def compiled(first, *args):
-            self.calls.append((first.layer_id, *args[0].shape[:2]) if fn is run_layer else fn)
+            if fn is not EngramHasher.step_hashes:  # the hash's calls are counted by the layers' Engram
+                self.calls.append((first.layer_id, *args[0].shape[:2]) if fn is run_layer else fn)
             return fn(first, *args)
 
         return compiled
@@ -57,7 +59,7 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
     monkeypatch.setattr(ragged_cache.torch, "compile", fake)
     got, engine = _generate(True)
     # the per-layer call and the glue around the layers, not the whole forward
-    assert set(fake.kwargs) == {run_layer, build_ragged_layout, ragged_head}
+    assert set(fake.kwargs) == {run_layer, build_ragged_layout, ragged_head, EngramHasher.step_hashes}
     # one compile per bucket shape (ragged_cache.compile_decode: why)
     assert all(kw["dynamic"] is False for kw in fake.kwargs.values())
     # every layer of every decode step (one token per row) between its layout and its head, and nothing
@@ -71,7 +73,7 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
 
 # debug's 8 layers are 7 kinds (SWA + Engram; Full r2; Reuse r2; Full r2 + Engram; Full r1 candidate
 # source; Reuse r1, twice; Reindex r1): one graph each, the second Reuse r1 layer reusing its kind's;
-# and one each for the layout and the head.
+# and one each for the layout, the head and the n-gram hash.
 # aot_eager traces the graphs inductor gets (functionalised, decomposed) and runs them without
 # inductor's kernels; inductor's CPU compile of the 7 graphs takes minutes on one core
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -83,7 +85,7 @@ def test_compiled_decode_gives_eager_tokens(backend, monkeypatch):
     got, engine = _generate(True, temperature=0.0, lengths=lengths, n=6)
     assert engine.stats["decode_steps"] == 5
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 7 + 2
+    assert counters["stats"]["unique_graphs"] == 7 + 3
     want, _ = _generate(False, temperature=0.0, lengths=lengths, n=6)
     assert [t for t, _ in got] == [t for t, _ in want]
     torch.testing.assert_close(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in want]),
@@ -98,7 +100,7 @@ def test_engines_of_one_process_share_the_compiled_layers(monkeypatch):
     torch._dynamo.reset()
     got, first = _generate(True, temperature=0.0)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 7 + 2  # one per kind of layer, the layout and the head (above)
+    assert graphs == 7 + 3  # one per kind of layer, the layout, the head and the hash (above)
     # a second engine of the process (its own torch.compile of run_layer) replays the first one's graphs
     again, second = _generate(True, temperature=0.0)
     assert second._decode_forward is not first._decode_forward
