@@ -208,7 +208,11 @@ class EngramHasher:
     def _tables(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The hash's constant tables as tensors on `device` (made once per device)."""
         key = str(device)
-        cache = self.__dict__.setdefault("_device_tables", {})
+        # a plain attribute read, not __dict__.setdefault: compiled decode steps trace this (ragged_cache
+        # compile_step_hashes) and dynamo of torch 2.11 breaks the graph on setdefault
+        cache = getattr(self, "_device_tables", None)
+        if cache is None:
+            cache = self._device_tables = {}
         if key not in cache:
             cache[key] = {
                 name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device)
