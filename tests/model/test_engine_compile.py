@@ -37,8 +37,7 @@ class FakeCompile:
         self.kwargs[fn] = kwargs
 
         def compiled(first, *args):
-            if fn is not EngramHasher.step_hashes:  # the hash's calls are counted by the layers' Engram
-                self.calls.append((first.layer_id, *args[0].shape[:2]) if fn is run_layer else fn)
+            self.calls.append((first.layer_id, *args[0].shape[:2]) if fn is run_layer else fn)
             return fn(first, *args)
 
         return compiled
@@ -62,9 +61,10 @@ def test_decode_steps_call_the_compiled_layers(monkeypatch):
     assert set(fake.kwargs) == {run_layer, build_ragged_layout, ragged_head, EngramHasher.step_hashes}
     # one compile per bucket shape (ragged_cache.compile_decode: why)
     assert all(kw["dynamic"] is False for kw in fake.kwargs.values())
-    # every layer of every decode step (one token per row) between its layout and its head, and nothing
-    # else; the ragged prefill is eager
-    step = [build_ragged_layout, *[(i, len(LENGTHS), 1) for i in range(ARGS.n_layers)], ragged_head]
+    # every decode step: its n-gram hash and layout, every layer (one token per row), its head; and
+    # nothing else: the ragged prefill is eager
+    step = [EngramHasher.step_hashes, build_ragged_layout, *[(i, len(LENGTHS), 1) for i in range(ARGS.n_layers)],
+            ragged_head]  # fmt: skip
     assert fake.calls == step * engine.stats["decode_steps"]
     assert engine.stats["decode_steps"] == 4  # 5 tokens: the first from the prefill logits
     want, _ = _generate(False)
