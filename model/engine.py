@@ -168,11 +168,11 @@ class InferenceEngine(SpeculativeDecoding):
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}: pass cuda_graphs=False")
         if cuda_graphs and model.args.impl != "triton":
             raise ValueError("cuda_graphs needs impl='triton' (the torch MoE loop syncs with the host every layer)")
-        # compile_decode: decode steps run model.forward_ragged with its layers compiled by inductor
-        # (model/ragged_cache.py compile_decode: one compile per kind of layer and graph bucket, fewer
-        # buckets, shared by the process's engines), captured by the graphs. On wherever the graphs
-        # are: on an H100 a compiled `small` step takes 66-68% of the graph step's time at 1 and 64
-        # sessions (docs/engine_throughput.md); the price is a compile the first time a bucket runs with
+        # compile_decode: decode steps run model.forward_ragged with its layers, its layout and head and
+        # the n-gram hash compiled by inductor (model/ragged_cache.py compile_decode, compile_step_hashes:
+        # one compile per kind of layer and graph bucket, fewer buckets, shared by the process's engines),
+        # captured by the graphs. On wherever the graphs are: on an H100, 64 `small` sessions decode at
+        # 10,332 tok/s compiled (docs/engine_throughput.md); the price is a compile the first time a bucket runs with
         # a bank size (GRAPH_TOKENS steps of its longest row plus the call's new tokens): on an H100 ~100 s
         # for 1 row, ~150-240 s for 64
         if compile_decode is None:

@@ -405,8 +405,9 @@ def compile_decode(model: Transformer) -> Callable:
     goes through torch.compile, and layers of one kind (attention role, ratio, Engram or not) and
     shapes share one compiled graph, their parameters and caches being its inputs (dynamo's
     inline_inbuilt_nn_modules), so a bucket costs a compile per kind of layer, not one of the whole
-    model; the attention layout and the head (`ragged_head`) are compiled on their own, the embedding
-    and the cache copies around the layers stay eager. Static shapes (one
+    model; the attention layout and the head (`ragged_head`) are compiled on their own (the decode
+    step's n-gram hash too: `compile_step_hashes`), the embedding and the cache copies around the
+    layers stay eager. Static shapes (one
     compile per kind and batch shape, so per bucket; dynamo's automatic dynamic shapes would make one
     graph serve every bucket, but on an H100 that graph of `small` did not finish compiling in the
     ~6 minutes a run left it, where the static 64-row one took 4), inductor's own CUDA graphs off (a GraphPool
