@@ -1,6 +1,7 @@
 """bench/engine_throughput.py's CPU quick mode runs as users run it (a subprocess from the repository
 root) and reports one forward per decode step for sessions of mixed prompt lengths, and one CED
-prefill for all of them; bench/engine_joins.py times a join both ways."""
+prefill for all of them; bench/engine_joins.py times a join both ways; bench/decode_ops.py counts a
+decode step's ops by part."""
 
 import json
 import os
@@ -49,3 +50,16 @@ def test_joins_bench_times_extend_beside_split_and_rebuild():
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["sessions"], r["joiners"]) for r in rows] == [(3, 2), (5, 2)]
     assert all(r["extend_ms"] > 0 and r["split_rebuild_ms"] > 0 and r["fields"] > 0 for r in rows)
+
+
+def test_decode_ops_bench_counts_each_part_of_a_step():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bench.decode_ops", "--flavor", "debug", "--sessions", "3"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    ops = row["ops"]
+    # every part ran inside the counted step, and they add up to it
+    assert row["sessions"] == 3 and all(ops[k] > 0 for k in ("layers", "layout", "ngram_hash", "head", "rest"))
+    assert row["total"] == sum(ops.values()) and row["outside_layers"] == row["total"] - ops["layers"]
+    # the parts a compiled step compiles hold most of what runs outside the layers
+    assert row["compiled_outside_layers"] > ops["rest"]
