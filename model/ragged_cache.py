@@ -186,7 +186,7 @@ class RaggedBatch:
         if S - min(n) > self.slack:
             raise ValueError(f"rows of one step differ by at most slack={self.slack} tokens here, got {S - min(n)}")
         end = max(p + k for p, k in zip(self.pos, n))
-        if any(end // r > s - 1 for r, s in self.slots.items()):
+        if not self._banks_hold(end):
             raise ValueError("a row outgrew the batch's banks: size max_tokens for the longest row")
         x = torch.tensor([row + [0] * (S - len(row)) for row in ids], device=dev)
         fed = self.model.encode_ragged if encoder_only else self.model.forward_ragged
@@ -242,7 +242,7 @@ class RaggedBatch:
         [B,1,X] with `return_main_hidden`), owned by the caller."""
         if len(ids) != self.size:
             raise ValueError(f"{len(ids)} tokens for {self.size} rows")
-        if any((p + 1) // r > s - 1 for p in self.pos for r, s in self.slots.items()):
+        if not self._banks_hold(max(self.pos, default=-1) + 1):
             raise ValueError("a row outgrew the batch's banks: size max_tokens for the longest row")
         if self._graphs is not None:
             out = self._graphs.decode(ids, return_main_hidden)
@@ -341,6 +341,10 @@ class RaggedBatch:
         self.dspark = [self.dspark[b] for b in kept]
         return out
 
+    def _banks_hold(self, end: int) -> bool:
+        """Whether every ratio's bank has a slot (besides the trash slot) for a row of `end` tokens."""
+        return all(end // r <= s - 1 for r, s in self.slots.items())
+
     def extend(self, caches: list[ModelCache]) -> bool:
         """Add rows (caches fed up to their seq_len) after the live ones, in place: the new rows are laid
         out by a batch of their own with this one's bank size, then copied into the rows after the live
@@ -353,7 +357,7 @@ class RaggedBatch:
         room = self._graphs.capacity if self._graphs is not None else None
         if self.slack or not n or not caches or (room is not None and n + k > room):
             return False
-        if any((c.seq_len + 1) // r > s - 1 for c in caches for r, s in self.slots.items()):
+        if not self._banks_hold(max(c.seq_len for c in caches) + 1):
             return False
         mine = self.fields()
         # the new rows' tensors are made as this batch's were (inference tensors or not: a compiled step
