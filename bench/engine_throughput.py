@@ -126,8 +126,8 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
                              overlap_decode=overlap)  # fmt: skip
     compiled = engine._decode_forward is not None  # None above: the engine's own choice
     # warm-up: sessions of the same prompts, through the same calls as the timed ones: a decode batch's
-    # banks are sized from its longest row plus the call's new tokens (model/engine.py, GRAPH_TOKENS
-    # steps), so a shorter warm-up could size them differently and leave the timed call to capture its
+    # banks are sized from its longest row plus the call's new tokens (ragged_cache.bank_tokens'
+    # rungs), so a shorter warm-up could size them differently and leave the timed call to capture its
     # graphs, and a compiled engine to compile every kind of layer again, inside the measurement
     _sync(device)
     tw = time.perf_counter()

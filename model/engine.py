@@ -53,7 +53,7 @@ from model.engram import EngramHasher
 from model.moe import routing_record
 from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
-from model.ragged_cache import COMPILED_BUCKETS, GRAPH_BUCKETS, GRAPH_TOKENS, GraphPool, RaggedBatch, engram_rows
+from model.ragged_cache import COMPILED_BUCKETS, GRAPH_BUCKETS, GraphPool, RaggedBatch, bank_tokens, engram_rows
 from model.sampling import sample
 from model.speculative import CostModel, SpecStats, SpeculativeConfig
 from model.tokenizer import Tokenizer
@@ -173,7 +173,7 @@ class InferenceEngine(SpeculativeDecoding):
         # one compile per kind of layer and graph bucket, fewer buckets, shared by the process's engines),
         # captured by the graphs. On wherever the graphs are: on an H100, 64 `small` sessions decode at
         # 10,332 tok/s compiled (docs/engine_throughput.md); the price is a compile the first time a bucket runs with
-        # a bank size (GRAPH_TOKENS steps of its longest row plus the call's new tokens): on an H100 ~100 s
+        # a bank size (ragged_cache.bank_tokens of its longest row plus the call's new tokens): on an H100 ~100 s
         # for 1 row, ~150-240 s for 64
         if compile_decode is None:
             compile_decode = cuda_graphs
@@ -649,10 +649,10 @@ class InferenceEngine(SpeculativeDecoding):
 
     def _bank_tokens(self, longest: int) -> int:
         """Tokens a decode batch's banks are sized for when its longest row may reach `longest` (at most
-        max_seq_len): in steps of GRAPH_TOKENS where decode steps replay graphs or compiled layers, so
-        later calls reuse them (the compiled layers' shapes include the banks')."""
+        max_seq_len): on graphs or compiled layers a rung of ragged_cache.bank_tokens, so later calls
+        reuse their storage, graphs and compiled layers (whose shapes include the banks')."""
         if self.graphs is not None or self._decode_forward is not None:
-            longest = -(-longest // GRAPH_TOKENS) * GRAPH_TOKENS
+            return bank_tokens(longest, self.max_seq_len)
         return min(self.max_seq_len, longest)
 
     def _finish_text(self, out: Generation) -> None:

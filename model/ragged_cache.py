@@ -43,10 +43,24 @@ from model.attention import LayerCache, build_ragged_layout
 from model.engram import EngramHasher
 from model.transformer import ModelCache, Transformer, make_engram_inputs, ragged_head, run_layer
 
-# ModelCache fields that are rings, and how many entries each keeps beyond max_rollback
-# CUDA-graph decode batches size their banks in multiples of this many tokens, so that generate calls
-# of nearby lengths share one storage and its graphs (GraphPool)
+# Decode batches on graphs or compiled layers size their banks from a short ladder of sizes (bank_tokens),
+# so that generate calls of nearby lengths share one storage, its graphs (GraphPool) and the compiled
+# layers (whose shapes include the banks'): GRAPH_TOKENS is its first rung
 GRAPH_TOKENS = 1024
+
+
+def bank_tokens(longest: int, max_seq_len: int) -> int:
+    """Tokens a graph or compiled decode batch's banks hold when its longest row may reach `longest`: the
+    smallest rung >= longest of GRAPH_TOKENS x 1, 1.5, 2, 3, 4, 6, 8, 12, ... (powers of two and one and a
+    half times them), at most max_seq_len. Each new size costs a compile of every kind of layer (~140 s for
+    `small` on an H100): a rollout growing to 16,384 tokens meets 9 sizes where steps of GRAPH_TOKENS met
+    16, and a batch's banks hold at most 1.5 x its longest row beyond the first rung."""
+    rung = GRAPH_TOKENS
+    while True:
+        for size in (rung, rung * 3 // 2):
+            if size >= longest:
+                return min(max_seq_len, size)
+        rung *= 2
 
 
 def engram_rows(hasher, token_lists, pos: list[int], ids: list[list[int]], n_ctx: int, device) -> dict:
@@ -422,10 +436,15 @@ def compile_decode(model: Transformer) -> Callable:
     expert_offsets: a traced region cannot read data pointers). Dynamo keeps the compiled graphs on
     `run_layer`'s code object, so a later engine's compile_decode replays them without compiling."""
     # each (kind of layer, bucket, bank size) is a cache entry of run_layer's code object: dynamo's
-    # default of 8 would silently leave later ones eager
+    # default of 8 would silently leave later ones eager. Room for every one a process can meet (at most
+    # a kind per layer, a bank size per rung of bank_tokens up to max_seq_len)
+    rungs, size = 0, 0
+    while size < model.args.max_seq_len:
+        size, rungs = bank_tokens(size + 1, model.args.max_seq_len), rungs + 1
+    entries = model.args.n_layers * len(GRAPH_BUCKETS) * rungs
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 16 * len(GRAPH_BUCKETS))
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 64 * len(GRAPH_BUCKETS))
+    cfg.recompile_limit = max(cfg.recompile_limit, entries)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * entries)
     compiled = _compile(run_layer)
 
     def layer_fn(layer, *args):

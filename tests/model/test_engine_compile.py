@@ -116,3 +116,30 @@ def test_compile_follows_the_cuda_graphs():
     assert engine._decode_forward is None  # CPU: no graphs, no compile unless asked for
     with pytest.raises(ValueError, match="compile_decode=False"):
         InferenceEngine(model, ChatTemplate(Tokenizer.default()), compile_decode=True, record_routing=True)
+
+
+def test_bank_sizes_come_from_a_short_ladder():
+    sizes = [ragged_cache.bank_tokens(n, 16384) for n in range(1, 16385)]
+    assert sorted(set(sizes)) == [1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]  # 16 in 1,024 steps
+    assert all(n <= s <= max(1024, 1.5 * n) for n, s in enumerate(sizes, 1))
+    assert ragged_cache.bank_tokens(5000, 4500) == 4500  # never past max_seq_len
+
+
+def test_calls_within_a_bank_rung_reuse_the_compiled_layers(monkeypatch):
+    """A compiled engine sizes a decode batch's banks by bank_tokens' rungs (here from 8 tokens): a later
+    call whose longest row stays in the rung compiles nothing, one past it compiles again."""
+    monkeypatch.setattr(ragged_cache, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(ragged_cache, "GRAPH_TOKENS", 8)
+    counters.clear()
+    torch._dynamo.reset()
+    model = Transformer(ARGS)
+    model.init_weights(seed=0, std=0.1)
+    engine = InferenceEngine(model, ChatTemplate(Tokenizer.default()), compile_decode=True)
+    graphs = []
+    for lengths, n in (((3, 5), 3), ((2, 5), 2), ((9, 3), 3)):  # longest + new tokens: 8, 7, 12
+        sids = [engine.start(list(range(40, 40 + k))) for k in lengths]
+        engine.generate(sids, n, temperature=0.0, stop_ids=())
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0] and graphs[2] > graphs[1], graphs
+    cfg = torch._dynamo.config  # room for every (kind of layer, bucket, rung) the engine may meet
+    assert cfg.recompile_limit >= ARGS.n_layers * len(ragged_cache.GRAPH_BUCKETS) * 9  # 8..128: 9 rungs
