@@ -11,7 +11,9 @@ a warm-up (the same prompts in sessions of their own, through the same calls: th
 and bank sizes, so on CUDA every graph the timed call replays is captured, and compiled, there),
 `engine.prefill` (timed) and one token drawn from its logits, then the timed `generate(...,
 new_tokens, no stop ids, T = 1)`: its sessions lack only their newest token, so every one of its
-new_tokens tokens costs one decode step, sampling and bookkeeping included. Rows {engine: "flashpost",
+new_tokens tokens costs one decode step, sampling and bookkeeping included. --repeats runs (default 3)
+of fresh sessions each: a row reports the run of median decode time, and every run's ms_per_step in
+ms_per_step_runs (one run's step varied by up to a fifth between processes on one GPU). Rows {engine: "flashpost",
 cuda_graphs, compile_decode (the inductor-compiled decode step, --compile; its compiles fall in
 warmup_s), overlap_decode (each decode step launched from the last step's sampled tokens before the
 host reads them, --overlap; on by default with graphs), prefill_mode (full-stack
@@ -30,7 +32,7 @@ dynamo and inductor, which fall in warm-up). On CPU, --compile applies to the ea
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
 count: a dense Llama-style model of about the same active parameters (random weights, the same
 prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
-tokens forced with min_new_tokens, after a warm-up generate of the same length).
+tokens forced with min_new_tokens, after a warm-up generate of the same length; --repeats runs too).
 With --spec-cost, a row {engine: "speculation_cost", sessions, t_verify_ms (k = 0..K), t_draft_ms,
 t_plain_ms (the engine's plain decode step, CUDA graphs on CUDA), break_even (tokens a speculative
 step of each k must emit to match it), best_speedup (every draft accepted), speculation_on (what
@@ -117,7 +119,7 @@ def dynamo_totals() -> dict:
 
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
                compiled: bool | None = None, packed: bool = False, profile: list | None = None,
-               overlap: bool | None = None) -> dict:  # fmt: skip
+               overlap: bool | None = None, repeats: int = 1) -> dict:  # fmt: skip
     n = len(prompts)
     before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
@@ -138,26 +140,31 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         engine.close(sid)
     _sync(device)
     t1w = time.perf_counter()
-    sids = [engine.start(p) for p in prompts]
-    calls_p = engine.stats["forward_calls"]
-    t0 = time.perf_counter()
-    engine.prefill(sids)
-    _sync(device)
-    t1 = time.perf_counter()
-    prefill_forwards = engine.stats["forward_calls"] - calls_p
-    # one token drawn from the prefill's logits (no forward): the timed call's sessions then lack only
-    # their newest token, and each of its tokens costs one decode step
-    engine.generate(sids, 1, temperature=1.0, stop_ids=(), seed=1)
-    _sync(device)
-    t2 = time.perf_counter()
-    calls0 = engine.stats["forward_calls"]
-    outs = engine.generate(sids, new_tokens, temperature=1.0, stop_ids=(), seed=1)
-    _sync(device)
-    t3 = time.perf_counter()
+    runs, sids = [], []  # (prefill s, decode s, tokens, forwards) of each timed run
+    for _ in range(repeats):  # fresh sessions of the same prompts each run: the same batch and bank sizes
+        for sid in sids:
+            engine.close(sid)
+        sids = [engine.start(p) for p in prompts]
+        calls_p = engine.stats["forward_calls"]
+        t0 = time.perf_counter()
+        engine.prefill(sids)
+        _sync(device)
+        t1 = time.perf_counter()
+        prefill_forwards = engine.stats["forward_calls"] - calls_p
+        # one token drawn from the prefill's logits (no forward): the timed call's sessions then lack only
+        # their newest token, and each of its tokens costs one decode step
+        engine.generate(sids, 1, temperature=1.0, stop_ids=(), seed=1)
+        _sync(device)
+        t2 = time.perf_counter()
+        calls0 = engine.stats["forward_calls"]
+        outs = engine.generate(sids, new_tokens, temperature=1.0, stop_ids=(), seed=1)
+        _sync(device)
+        t3 = time.perf_counter()
+        runs.append((t1 - t0, t3 - t2, sum(len(o.token_ids) for o in outs), engine.stats["forward_calls"] - calls0))
+    prefill_s, decode_s, tokens, forwards = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
     nbytes = decode_bytes(args, model, engine, sids)
     lens = [len(p) for p in prompts]
     dyn = {k: round(v - before[k], 2) for k, v in dynamo_totals().items()} if compiled else {}
-    forwards = engine.stats["forward_calls"] - calls0
     if profile is not None:  # after every counter of the row is read
         profile.append(profile_steps(engine, sids, device))
     return {
@@ -166,10 +173,11 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         "packed_cache": packed, "flavor": flavor,
         "device": _device_name(device), "impl": args.impl, "sessions": n,
         "prompt_lens": [min(lens), max(lens), len(set(lens))],
-        "new_tokens": new_tokens, "prefill_s": round(t1 - t0, 4), "prefill_forwards": prefill_forwards,
+        "new_tokens": new_tokens, "prefill_s": round(prefill_s, 4), "prefill_forwards": prefill_forwards,
         "warmup_s": round(t1w - tw, 4), "graph_captures": engine.graphs.captures if engine.graphs else 0,
-        "decode_s": round(t3 - t2, 4), "decode_tokens_per_s": round(sum(len(o.token_ids) for o in outs) / (t3 - t2), 1),
-        "ms_per_step": round((t3 - t2) / new_tokens * 1e3, 3),
+        "decode_s": round(decode_s, 4), "decode_tokens_per_s": round(tokens / decode_s, 1),
+        "ms_per_step": round(decode_s / new_tokens * 1e3, 3),
+        "ms_per_step_runs": [round(r[1] / new_tokens * 1e3, 3) for r in runs],
         "forwards_per_decode_step": round(forwards / new_tokens, 3),
         "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
         "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4), **dyn,
@@ -232,7 +240,7 @@ def run_spec_cost(model, device, n: int, graphs: bool) -> dict:
             "speculation_on": cost.best_speedup() >= engine.speculative.min_speedup}  # fmt: skip
 
 
-def run_hf(args, device, prompts, new_tokens) -> dict | None:
+def run_hf(args, device, prompts, new_tokens, repeats: int = 1) -> dict | None:
     """transformers `generate` on a dense Llama of about the same active parameters (static cache)."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -255,17 +263,22 @@ def run_hf(args, device, prompts, new_tokens) -> dict | None:
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm-up: compiles the static-cache step
         model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
-        times = []
-        for n in (1, new_tokens):  # prefill alone, then the whole generate: decode = the difference
-            _sync(device)
-            t0 = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": n, "min_new_tokens": n})
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    steps, dt = new_tokens - 1, times[1] - times[0]
+        runs = []
+        for _ in range(repeats):
+            times = []
+            for n in (1, new_tokens):  # prefill alone, then the whole generate: decode = the difference
+                _sync(device)
+                t0 = time.perf_counter()
+                model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": n, "min_new_tokens": n})
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            runs.append((times[0], times[1] - times[0]))
+    steps = new_tokens - 1
+    prefill_s, dt = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
     return {"engine": "hf_generate", "device": _device_name(device), "sessions": len(prompts),
             "params": sum(p.numel() for p in model.parameters()), "new_tokens": new_tokens,
-            "prefill_s": round(times[0], 4), "decode_s": round(dt, 4), "ms_per_step": round(dt / steps * 1e3, 3),
+            "prefill_s": round(prefill_s, 4), "decode_s": round(dt, 4), "ms_per_step": round(dt / steps * 1e3, 3),
+            "ms_per_step_runs": [round(d / steps * 1e3, 3) for _, d in runs],
             "decode_tokens_per_s": round(len(prompts) * steps / dt, 1)}  # fmt: skip
 
 
@@ -300,7 +313,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--packed-cache", default="off", choices=("on", "off", "both"),
                    help="sessions' live caches as packed bytes (the rollout default; QAT models) or dense")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="a row of each engine's device kernels and host functions")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs of each row, the median reported (default 3; --quick: 1)")  # fmt: skip
     a = p.parse_args(argv)
+    a.repeats = (1 if a.quick else 3) if a.repeats is None else a.repeats
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats {a.repeats}: give at least 1 timed run")
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -330,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                 prof = [] if a.profile else None
                 try:
                     row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed,
-                                     prof, overlap)
+                                     prof, overlap, a.repeats)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
                     if not compiled:  # the default path (None) and uncompiled engines fail loudly
                         raise
@@ -342,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.spec_cost and model.mtp is not None:
             print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
-            row = run_hf(args, device, prompts, a.hf_new_tokens or new)
+            row = run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats)
             if row is not None:
                 print(json.dumps(row), flush=True)
 

@@ -27,13 +27,17 @@ def test_quick_mode_decodes_mixed_lengths_in_one_forward_per_step():
 
 
 def test_profile_rows_follow_their_engine_rows_and_leave_them_as_they_were():
+    """--profile adds a row after its engine's; --repeats reports the median of its timed runs."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bench.engine_throughput", "--device", "cpu", "--flavor", "debug", "--quick",
-           "--threads", "1", "--sessions", "4", "--prefill-mode", "full", "--profile"]  # fmt: skip
+           "--threads", "1", "--sessions", "4", "--prefill-mode", "full", "--profile", "--repeats", "3"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [r["engine"] for r in rows] == ["flashpost", "profile"]
     engine, prof = rows
+    # three timed runs, the row's figure their median
+    runs = engine["ms_per_step_runs"]
+    assert len(runs) == 3 and engine["ms_per_step"] == sorted(runs)[1]
     # the profiled steps come after the row's counters are read: still one forward per decode step
     assert engine["forwards_per_decode_step"] == 1
     assert prof["sessions"] == 4 and prof["steps"] > 0 and prof["wall_ms_per_step"] > 0
