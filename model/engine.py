@@ -172,7 +172,7 @@ class InferenceEngine(SpeculativeDecoding):
         # the n-gram hash compiled by inductor (model/ragged_cache.py compile_decode, compile_step_hashes:
         # one compile per kind of layer and graph bucket, fewer buckets, shared by the process's engines),
         # captured by the graphs. On wherever the graphs are: on an H100, 64 `small` sessions decode at
-        # 10,332 tok/s compiled (docs/engine_throughput.md); the price is a compile the first time a bucket runs with
+        # 10,515 tok/s compiled (docs/engine_throughput.md); the price is a compile the first time a bucket runs with
         # a bank size (ragged_cache.bank_tokens of its longest row plus the call's new tokens): on an H100 ~100 s
         # for 1 row, ~150-240 s for 64
         if compile_decode is None:
