@@ -82,6 +82,7 @@ def engram_rows(hasher, token_lists, pos: list[int], ids: list[list[int]], n_ctx
     return {"hashes": hashes.to(device), "engram_mask": None}
 
 
+# the LayerCache and ModelCache fields a RaggedBatch keeps as rings, and the global banks (module docstring)
 _LAYER_RINGS = ("window_kv", "raw_kv", "raw_score")
 _LAYER_BANKS = ("compress_kv", "index_k")
 _MODEL_RINGS = ("recent_ids", "encoder_h", "encoder_pre")
