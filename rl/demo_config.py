@@ -79,7 +79,7 @@ class DemoConfig:
     # the student: the policy at half width (same vocabulary, so OPD compares whole distributions)
     student: list[str] = _list("++model.overrides.dim=64", "++model.overrides.moe_inter_dim=64")
     # the student's SFT at six times the policy's rates: over its short cosine schedule the policy's rates left
-    # its loss at 5.64 after 20 steps, these at 0.44 (40 steps: 0.148, the episode's format learned; the
+    # its loss at 5.64 after 20 steps, these at 0.44 (40 steps: 0.13-0.16, the episode's format learned; the
     # edit's arguments still constant, as the policy's are before ~100 steps; docs/demo_measurements.md)
     student_sft: list[str] = _list("trainer=sft", "++trainer.batch_size=6", "++trainer.threads=2",
                                    "++trainer.micro_batch_tokens=2048", "++trainer.dspark_weight=0",
