@@ -19,7 +19,7 @@ import torch
 
 from model.attention import LayerCache
 from model.dspark import DSparkCache
-from model.ragged_cache import GRAPH_BUCKETS, RaggedBatch, bank_tokens, engram_rows
+from model.ragged_cache import GRAPH_BUCKETS, RaggedBatch, engram_rows
 from model.sampling import sample
 from model.speculative import CostModel, grouped_speedup, measure_cost_model, speculative_step, sync_drafter
 from model.transformer import ModelCache, make_engram_inputs
@@ -186,7 +186,7 @@ class SpeculativeDecoding:
         n = a.window_size + self._max_rollback + 1
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, a.vocab_size, (batch, n + repeats + 1), generator=g).tolist()
-        max_tokens = bank_tokens(n + repeats + 1, self.max_seq_len)
+        max_tokens = self._bank_tokens(n + repeats + 1)  # as the engine's own decode batches size them
         hasher = self._hasher or self.model.engram_hasher
 
         def engram(pos: list[int], step: list[list[int]]) -> dict | None:
