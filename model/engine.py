@@ -1,10 +1,11 @@
 """Session-based inference over `Transformer.forward_ragged` (`forward_incremental` for CED prefill
 and speculative verification): token ids in, token ids out.
 
-A session is one conversation's token list and its `ModelCache`. Its tokens are exactly what it was
-given and what it generated (`start` prompt + generated + `extend`ed ids, in order): the engine never
-re-tokenises text, and every generated token carries its sampling log-prob (model/sampling.py) and
-the policy version of the weights that produced it (DESIGN §3.1).
+A session (`Session`, model/engine_session.py) is one conversation's token list and its `ModelCache`.
+Its tokens are exactly what it was given and what it generated (`start` prompt + generated +
+`extend`ed ids, in order): the engine never re-tokenises text, and every generated token carries its
+sampling log-prob (model/sampling.py) and the policy version of the weights that produced it
+(DESIGN §3.1).
 
 Batching policy: one forward for all sessions, each at its own position. Prompts (what a prefill or
 the start of a generate call feeds) are fed in ragged steps of up to `prefill_chunk` tokens per row
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -48,6 +48,7 @@ from model import ragged_cache
 from model.attention import LayerCache
 from model.ced import EngramFn, ced_prefill_ragged, check_ced
 from model.chat_template import ChatTemplate
+from model.engine_session import FinishReason, Generation, Session
 from model.engine_speculative import SpeculativeDecoding
 from model.engram import EngramHasher
 from model.moe import routing_record
@@ -55,83 +56,12 @@ from model.packed_cache import model_cache_bytes
 from model.prefix_cache import PrefixCache
 from model.ragged_cache import COMPILED_BUCKETS, GRAPH_BUCKETS, GraphPool, RaggedBatch, bank_tokens, engram_rows
 from model.sampling import sample
-from model.speculative import CostModel, SpecStats, SpeculativeConfig
+from model.speculative import CostModel, SpeculativeConfig
 from model.tokenizer import Tokenizer
 from model.transformer import ModelCache, Transformer, make_engram_inputs
 
-FinishReason = Literal["stop", "length"]
 # padded tokens per prefill forward at most (rows x chunk): bounds a ragged prefill's activations
 _PREFILL_TOKENS = 32768
-
-
-@dataclass
-class Generation:
-    """One session's output of one `generate` call.
-
-    token_ids/logprobs/policy_versions: one entry per generated token (the stop token included);
-    logprobs are under the distribution the token was drawn from (see `model.sampling.sample`).
-    finish_reason: "stop" (a stop id or stop string, given in `stop`) or "length" (max_new_tokens
-    or the engine's max_seq_len). text: the decoded generated ids, special tokens kept ("" without a
-    tokenizer); it is never re-encoded. prompt_len: the session's length before this generation
-    (the turn boundary a trajectory records)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    text: str
-    policy_versions: list[int]
-    prompt_len: int
-    stop: int | str | None = None
-
-
-@dataclass
-class _Session:
-    token_ids: list[int]
-    cache: ModelCache
-    # logits [V] fp32 of the next token, valid when every token has been fed (cache.seq_len == len)
-    next_logits: torch.Tensor | None = None
-    next_version: int = 0  # policy version of the weights that computed next_logits
-    versions: list[int | None] = field(default_factory=list)  # per token; None = not generated
-    # speculative engines: the session's acceptance statistics, and (`main_hidden`) the DSpark context
-    # [1,n,X] of the newest fed tokens (ends at cache.seq_len) that the drafter has not consumed yet:
-    # `_hidden`, then the decode steps' rows `_steps` ((step output [B,1,X], row) each) not joined yet
-    spec: SpecStats = field(default_factory=SpecStats)
-    # record_routing engines: [n, n_layers, K] int32 blocks of the fed tokens' experts, in token order
-    routing: list[torch.Tensor] = field(default_factory=list)
-    _hidden: torch.Tensor | None = None
-    _steps: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    _keep: int = 0
-
-    @property
-    def n_unfed(self) -> int:
-        return len(self.token_ids) - self.cache.seq_len
-
-    @property
-    def main_hidden(self) -> torch.Tensor | None:
-        if self._steps:  # joined when read: one cat per session then, not one per decode step
-            parts = [] if self._hidden is None else [self._hidden]
-            h = torch.cat(parts + [out[b : b + 1] for out, b in self._steps], dim=1)
-            self._hidden, self._steps = h[:, max(0, h.size(1) - self._keep) :], []
-        return self._hidden
-
-    @main_hidden.setter
-    def main_hidden(self, value: torch.Tensor | None) -> None:
-        self._hidden, self._steps = value, []
-
-    def drop_step(self) -> None:
-        """Forget the newest decode step's DSpark context (a step rolled back), if it was stashed (a
-        speculative engine's steps; nothing reads main_hidden between a step and its rollback, so the
-        step is still in `_steps`)."""
-        if self._steps:
-            self._steps.pop()
-
-    def stash_step(self, out_BSX: torch.Tensor, row: int, keep: int) -> None:
-        """A decode step's context (row `row` of its [B,1,X] output) appended, kept to `keep` tokens."""
-        self._steps.append((out_BSX, row))
-        self._keep = keep
-        if len(self._steps) >= keep:  # the steps alone fill the context: older entries are gone
-            del self._steps[: len(self._steps) - keep]
-            self._hidden = None
 
 
 class InferenceEngine(SpeculativeDecoding):
@@ -234,7 +164,7 @@ class InferenceEngine(SpeculativeDecoding):
         # compiled decode steps hash their n-grams compiled too (None: the hasher's own step_hashes)
         hasher = self._hasher or model.engram_hasher
         self._decode_hashes = ragged_cache.compile_step_hashes(hasher) if compile_decode and hasher else None
-        self._sessions: dict[int, _Session] = {}
+        self._sessions: dict[int, Session] = {}
         # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
         # positions), tokens generated, tokens the decoder replayed in CED prefills, rows of overlapped
         # steps that had stopped (fed ahead, rolled back): for benches and tests
@@ -275,7 +205,7 @@ class InferenceEngine(SpeculativeDecoding):
         if not prompt_ids:
             raise ValueError("a session needs at least one prompt token")
         sid, self._next_id = self._next_id, self._next_id + 1
-        self._sessions[sid] = _Session([], self._new_cache())
+        self._sessions[sid] = Session([], self._new_cache())
         self.extend(sid, prompt_ids)
         if self.prefix_cache is not None:
             s = self._sessions[sid]
@@ -359,7 +289,7 @@ class InferenceEngine(SpeculativeDecoding):
             raise KeyError(f"no open session {session_id}")
         return session_id
 
-    def _get(self, session_id: int) -> _Session:
+    def _get(self, session_id: int) -> Session:
         return self._sessions[self._check_id(session_id)]
 
     # ------------------------------------------------------------------ prefill / forward
@@ -378,7 +308,7 @@ class InferenceEngine(SpeculativeDecoding):
             cache.layers = [LayerCache(max_rollback=self._max_rollback, packed=True) for _ in self.model.layers]
         return cache
 
-    def _feed(self, sessions: Sequence[_Session]) -> None:
+    def _feed(self, sessions: Sequence[Session]) -> None:
         """Feed every recorded but unfed token of the sessions (each ends a prompt: a prefill, or the
         first feed of a generate call), all of them at once whatever their positions and counts:
         ragged steps of up to prefill_chunk tokens per row (CED: the encoder steps, then one decoder
@@ -394,7 +324,7 @@ class InferenceEngine(SpeculativeDecoding):
             todo = todo[n_rows:]
 
     @torch.inference_mode()
-    def _prefill_ragged(self, group: list[_Session]) -> None:
+    def _prefill_ragged(self, group: list[Session]) -> None:
         """Feed every unfed token of the sessions of `group`, each row at its own position, in steps
         of up to prefill_chunk tokens per row (one forward per step for all rows)."""
         chunk = min(self.prefill_chunk, max(s.n_unfed for s in group))
@@ -424,7 +354,7 @@ class InferenceEngine(SpeculativeDecoding):
             for s, cache in zip(group, batch.split()):
                 s.cache = cache
 
-    def _engram_rows(self, group: list[_Session], pos: list[int], ids: list[list[int]]) -> dict | None:
+    def _engram_rows(self, group: list[Session], pos: list[int], ids: list[list[int]]) -> dict | None:
         """Engram inputs of a ragged step (None without Engram layers): the engine's hasher, or the
         model's own, over each row's tokens with the max_ngram-1 tokens before as its context."""
         if not self.model.args.engram_layer_ids:
@@ -434,7 +364,7 @@ class InferenceEngine(SpeculativeDecoding):
                             self.device)  # fmt: skip
 
     @torch.inference_mode()
-    def _prefill_ced(self, group: list[_Session]) -> None:
+    def _prefill_ced(self, group: list[Session]) -> None:
         """CED prefill of every unfed token of the sessions of `group` (any positions and counts) as
         the rows of one RaggedBatch (model/ced.py ced_prefill_ragged)."""
         chunk = min(self.prefill_chunk, max(s.n_unfed for s in group))
@@ -469,7 +399,7 @@ class InferenceEngine(SpeculativeDecoding):
             if self.prefix_cache is not None:
                 self.prefix_cache.store(s.token_ids[: s.cache.seq_len], s.cache)
 
-    def _record_ced(self, group: list[_Session], record: dict, n_unfed: list[int], n_replay: list[int],
+    def _record_ced(self, group: list[Session], record: dict, n_unfed: list[int], n_replay: list[int],
                     chunk: int) -> None:
         """The routing of a ragged CED prefill in which row b fed its last n_unfed[b] positions: the
         encoder's over all of them (one record per ragged step, each row's tokens left-aligned in it,
@@ -659,7 +589,7 @@ class InferenceEngine(SpeculativeDecoding):
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(out.token_ids)
 
-    def _join(self, joined, session_ids: list[int], sessions: list[_Session], outs: list[Generation],
+    def _join(self, joined, session_ids: list[int], sessions: list[Session], outs: list[Generation],
               gens: list[torch.Generator], active: list[int]) -> list[int]:  # fmt: skip
         """Add sessions (id, seed) to a running generate call (its lists, in place) and feed their
         prompts; returns their call indices (those below max_seq_len: the others finish at once). A
@@ -730,12 +660,12 @@ class InferenceEngine(SpeculativeDecoding):
                 still.append(i)
         return still
 
-    def _at_limit(self, s: _Session, out: Generation, max_new_tokens: int, drawn: int = 0) -> bool:
+    def _at_limit(self, s: Session, out: Generation, max_new_tokens: int, drawn: int = 0) -> bool:
         """Whether a session is at its length limit (it stops there) once its `drawn` tokens drawn but
         not recorded yet are."""
         return len(out.token_ids) + drawn >= max_new_tokens or len(s.token_ids) + drawn >= self.max_seq_len
 
-    def _decode_batch(self, sessions: list[_Session], active: list[int], max_tokens: int) -> RaggedBatch:
+    def _decode_batch(self, sessions: list[Session], active: list[int], max_tokens: int) -> RaggedBatch:
         # without graphs the batch's tensors are made as inference tensors, as its steps' outputs are:
         # a compiled step then sees one kind of tensor from the first step on (dynamo guards on it,
         # and would compile every layer again at the second step)
@@ -744,7 +674,7 @@ class InferenceEngine(SpeculativeDecoding):
                                forward=self._decode_forward, hasher=self._hasher,
                                step_hashes=self._decode_hashes)  # fmt: skip
 
-    def _decode_step(self, batch: RaggedBatch, group: list[_Session], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode_step(self, batch: RaggedBatch, group: list[Session], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed every row's one unfed token (its newest generated one, or `ids` [B] on the device:
         tokens drawn but not recorded yet) in one ragged forward; returns the rows' next-token logits
         [B,V] (the next `_draw` takes them as they are)."""
@@ -778,11 +708,11 @@ class InferenceEngine(SpeculativeDecoding):
         return [torch.Generator(device=self.device).manual_seed(x) for x in seeds]
 
     # ------------------------------------------------------------------ speculative generation
-    def _new_generation(self, s: _Session) -> Generation:
+    def _new_generation(self, s: Session) -> Generation:
         """An empty Generation of a session about to generate (its prompt length is its turn boundary)."""
         return Generation([], [], "length", "", [], len(s.token_ids))
 
-    def _scan(self, s: _Session, out: Generation, toks: list[int], stops, stop_strings, max_new_tokens):
+    def _scan(self, s: Session, out: Generation, toks: list[int], stops, stop_strings, max_new_tokens):
         """How many of `toks` the session keeps if they are its next tokens, and whether it then
         finishes (a stop id/string as `generate` checks them token by token, or a length limit)."""
         for j, tok in enumerate(toks, 1):
@@ -799,7 +729,7 @@ class InferenceEngine(SpeculativeDecoding):
 
     def _commit(
         self,
-        s: _Session,
+        s: Session,
         out: Generation,
         toks: list[int],
         logprobs: list[float],

@@ -25,7 +25,7 @@ from model.speculative import CostModel, grouped_speedup, measure_cost_model, sp
 from model.transformer import ModelCache, make_engram_inputs
 
 if TYPE_CHECKING:
-    from model.engine import Generation
+    from model.engine_session import Generation
 
 
 class SpeculativeDecoding:

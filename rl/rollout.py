@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.chat_template import ChatTemplate
-from model.engine import Generation, InferenceEngine
+from model.engine import InferenceEngine
+from model.engine_session import Generation
 from rl.payloads import Trajectory
 
 
