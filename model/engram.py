@@ -195,7 +195,7 @@ class EngramHasher:
         row's previous C = max_ngram-1 token ids, newest last (-1: an image position), pos_B [B] how
         many tokens the row had before this one (context entries before its start take part in no
         n-gram). The same hashes as `__call__(ids[:, None], context_ids=...)` with the row's real context."""
-        tables = self._tables(ids_B.device)
+        tables = self.tables(ids_B.device)
         C = context_BC.size(1)
         start = torch.arange(C, device=ids_B.device) >= (C - pos_B)[:, None]  # [B,C]: entry inside the row
         ctx = torch.where((context_BC >= 0) & start, tables["token_map"][context_BC.clamp(min=0)], DEAD)
@@ -205,7 +205,7 @@ class EngramHasher:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_device_tables"}  # numpy tables travel, not tensors
 
-    def _tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def tables(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The hash's constant tables as tensors on `device` (made once per device)."""
         key = str(device)
         # a plain attribute read, not __dict__.setdefault: compiled decode steps trace this (ragged_cache
@@ -222,7 +222,7 @@ class EngramHasher:
 
     def _hash(self, comp: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         """comp [B,T] compressed ids (DEAD: no n-gram), docs [B,T] or None -> [B,T,L,C] int64 on comp's device."""
-        t = self._tables(comp.device)
+        t = self.tables(comp.device)
         B, T = comp.shape
         blocked = torch.zeros(B, T, dtype=torch.bool, device=comp.device)
         tokens = []

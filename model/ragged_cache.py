@@ -464,7 +464,7 @@ def compile_step_hashes(hasher: EngramHasher) -> Callable:
     compiled = _compile(EngramHasher.step_hashes)
 
     def step_hashes(ids_B: torch.Tensor, context_BC: torch.Tensor, pos_B: torch.Tensor) -> torch.Tensor:
-        hasher._tables(ids_B.device)
+        hasher.tables(ids_B.device)
         return compiled(hasher, ids_B, context_BC, pos_B)
 
     return step_hashes
