@@ -68,7 +68,7 @@ def count(model, prompts: list[list[int]]) -> dict:
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=len(prompts), device="cpu")
     sids = [engine.start(p) for p in prompts]
     engine.generate(sids, 1, temperature=0.0, stop_ids=())  # prefill, and each session's first token
-    hasher = engine.hasher or model.engram_hasher
+    hasher = engine.ngram_hasher
     mode = _CountOps()
     forward = functools.partial(model.forward_ragged, layer_fn=_tagged(mode, "layers", run_layer),
                                 layout_fn=_tagged(mode, "layout", build_ragged_layout),

@@ -156,14 +156,14 @@ class InferenceEngine(SpeculativeDecoding):
         self.policy_version = 0
         # Engram layers hash n-grams of token ids: the model's own hasher reads the context from the
         # cache; without one, the engine hashes with its tokenizer, context from the session's tokens.
-        # `hasher` is that engine-built hasher (None: the model's own, or no Engram layers)
-        self.hasher = None
+        # `_hasher` is that engine-built hasher (None: the model's own, or no Engram layers)
+        self._hasher = None
         if model.args.engram_layer_ids and model.engram_hasher is None:
             if self.tokenizer is None:
                 raise ValueError("a model with Engram layers needs an engram_hasher or a tokenizer to build one")
-            self.hasher = EngramHasher(model.args, self.tokenizer)
+            self._hasher = EngramHasher(model.args, self.tokenizer)
         # compiled decode steps hash their n-grams compiled too (None: the hasher's own step_hashes)
-        hasher = self.hasher or model.engram_hasher
+        hasher = self.ngram_hasher
         self._decode_hashes = ragged_cache.compile_step_hashes(hasher) if compile_decode and hasher else None
         self._sessions: dict[int, Session] = {}
         # model calls made (a CED prefill, encoder steps and replay, counts as one), tokens fed (rows x
@@ -199,6 +199,11 @@ class InferenceEngine(SpeculativeDecoding):
         self.policy_version = version
 
     # ------------------------------------------------------------------ sessions
+    @property
+    def ngram_hasher(self) -> EngramHasher | None:
+        """The hasher of the Engram inputs: the engine's own, else the model's (None: no Engram layers)."""
+        return self._hasher or self.model.engram_hasher
+
     def start(self, prompt_ids: Sequence[int]) -> int:
         """Open a session on `prompt_ids` (fed lazily, by the next prefill/generate)."""
         if len(self._sessions) >= self.max_sessions:
@@ -360,9 +365,8 @@ class InferenceEngine(SpeculativeDecoding):
         model's own, over each row's tokens with the max_ngram-1 tokens before as its context."""
         if not self.model.args.engram_layer_ids:
             return None
-        hasher = self.hasher or self.model.engram_hasher
-        return engram_rows(hasher, [s.token_ids for s in group], pos, ids, self.model.args.engram_max_ngram_size - 1,
-                            self.device)  # fmt: skip
+        return engram_rows(self.ngram_hasher, [s.token_ids for s in group], pos, ids,
+                           self.model.args.engram_max_ngram_size - 1, self.device)  # fmt: skip
 
     @torch.inference_mode()
     def _prefill_ced(self, group: list[Session]) -> None:
@@ -427,13 +431,13 @@ class InferenceEngine(SpeculativeDecoding):
 
     def _engram_fn(self, token_lists: Sequence[Sequence[int]]) -> EngramFn | None:
         """Engram inputs of the rows' tokens at a position, hashed by the engine (None: by the model)."""
-        if self.hasher is None:
+        if self._hasher is None:
             return None
 
         def engram_inputs(pos: int, chunk_ids: torch.Tensor) -> dict:
             c = min(pos, self.model.args.engram_max_ngram_size - 1)
             context_ids = torch.tensor([list(t[pos - c : pos]) for t in token_lists]) if c else None
-            return make_engram_inputs(self.hasher, chunk_ids, context_ids=context_ids)
+            return make_engram_inputs(self._hasher, chunk_ids, context_ids=context_ids)
 
         return engram_inputs
 
@@ -672,7 +676,7 @@ class InferenceEngine(SpeculativeDecoding):
         # and would compile every layer again at the second step)
         with torch.inference_mode(self.graphs is None):
             return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
-                               forward=self._decode_forward, hasher=self.hasher,
+                               forward=self._decode_forward, hasher=self._hasher,
                                step_hashes=self._decode_hashes)  # fmt: skip
 
     def _decode_step(self, batch: RaggedBatch, group: list[Session], ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -187,7 +187,7 @@ class SpeculativeDecoding:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, a.vocab_size, (batch, n + repeats + 1), generator=g).tolist()
         max_tokens = self._bank_tokens(n + repeats + 1)  # as the engine's own decode batches size them
-        hasher = self.hasher or self.model.engram_hasher
+        hasher = self.ngram_hasher
 
         def engram(pos: list[int], step: list[list[int]]) -> dict | None:
             if not a.engram_layer_ids:
@@ -227,7 +227,7 @@ class SpeculativeDecoding:
         if k_max > 0:
             hidden = sync_drafter(cache, torch.cat([s.main_hidden for s in group]))
         cost = self.speculation_cost(B)
-        c = min(p, self.model.args.engram_max_ngram_size - 1) if self.hasher is not None else 0
+        c = min(p, self.model.args.engram_max_ngram_size - 1) if self._hasher is not None else 0
         with self._recording() as record:
             res = speculative_step(
                 self.model, self._verify_forward, cache,
@@ -271,9 +271,9 @@ class SpeculativeDecoding:
     def _verify_forward(self, ids: torch.Tensor, cache: ModelCache, context_ids: torch.Tensor):
         """speculative.Forward: forward_incremental at cache.seq_len with the Engram context."""
         engram_inputs = None
-        if self.hasher is not None:
+        if self._hasher is not None:
             ctx = context_ids.cpu() if context_ids.size(1) else None
-            engram_inputs = make_engram_inputs(self.hasher, ids, context_ids=ctx)
+            engram_inputs = make_engram_inputs(self._hasher, ids, context_ids=ctx)
         return self.model.forward_incremental(
             ids, cache.seq_len, cache, engram_inputs=engram_inputs, return_main_hidden=True
         )  # fmt: skip
