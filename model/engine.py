@@ -676,7 +676,7 @@ class InferenceEngine(SpeculativeDecoding):
         # and would compile every layer again at the second step)
         with torch.inference_mode(self.graphs is None):
             return RaggedBatch(self.model, [sessions[i].cache for i in active], max_tokens, pool=self.graphs,
-                               forward=self._decode_forward, hasher=self._hasher,
+                               forward=self._decode_forward, hasher=self.ngram_hasher,
                                step_hashes=self._decode_hashes)  # fmt: skip
 
     def _decode_step(self, batch: RaggedBatch, group: list[Session], ids: torch.Tensor | None = None) -> torch.Tensor:
