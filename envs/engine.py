@@ -25,6 +25,7 @@ from pathlib import Path
 
 import docker
 import docker.errors
+import requests.exceptions
 from docker.types import DriverConfig, Mount
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -234,10 +235,22 @@ def start_container(spec: ContainerSpec) -> str:
 
 
 def remove_container(container_id: str) -> None:
+    """Force-remove a container and its volumes; one already gone is fine.
+
+    Raises EngineUnavailable when the engine does not answer within the client's timeout (a stalled
+    engine). The container keeps its owner and deadline labels, so a later reaper removes it.
+    """
     try:
         client().api.remove_container(container_id, force=True, v=True)
     except docker.errors.NotFound:
         pass
+    except requests.exceptions.RequestException as e:  # ReadTimeout, ConnectionError: no answer, not a refusal
+        raise EngineUnavailable(
+            f"the Docker engine did not remove container {container_id[:12]} ({type(e).__name__}: {e}); "
+            f"the next sandbox pool reaps it once its deadline passes, or run `docker rm -f {container_id[:12]}` "
+            "when the engine answers again (`timeout 15 docker ps` checks; restart it with "
+            f"`bash {ENSURE_SCRIPT.relative_to(REPO_ROOT)}` if it does not)"
+        ) from e
 
 
 def container_running(container_id: str) -> bool:

@@ -188,8 +188,9 @@ async def run_episode(
 
     Episodes ending in policy_error or sandbox_error get no diff and no grade (reward None: an
     infrastructure failure, not a 0). A workspace whose diff cannot be taken (the agent broke the git
-    repo) is graded 0 without running tests. Never raises for policy, tool, sandbox or grading errors
-    (see `Transcript.termination` / `.error`); cancellation and KeyboardInterrupt propagate after teardown.
+    repo) is graded 0 without running tests. A sandbox the engine fails to remove afterwards leaves the
+    episode as it ended, graded, with `.error` saying so. Never raises for policy, tool, sandbox or grading
+    errors (see `Transcript.termination` / `.error`); cancellation and KeyboardInterrupt propagate after teardown.
     """
     config = config or EpisodeConfig()
     transcript = Transcript(task_id=task.task_id, messages=initial_messages(task, config))
@@ -212,7 +213,11 @@ async def run_episode(
         if transcript.termination not in UNGRADED:
             no_diff = await _take_diff(task, sb, result)
     finally:
-        await handle.close()
+        try:
+            await handle.close()
+        except Exception as e:  # noqa: BLE001 - the episode and its diff are complete: a removal the
+            # engine does not finish (a stalled engine) must not void them; the reaper removes the container
+            transcript.error = transcript.error or f"sandbox removal: {type(e).__name__}: {e}"
     if grade is not None and transcript.termination not in UNGRADED:
         await _grade(task, grade, no_diff, result)
     return result

@@ -261,3 +261,42 @@ def test_concurrent_episodes_share_a_loop_but_not_a_workspace(task):
     assert tool_outputs(left, 1) == ["left.txt\n[exit code: 0]"]
     assert tool_outputs(right, 1) == ["right.txt\n[exit code: 0]"]
     assert "+right" in right.final_diff and "left" not in right.final_diff
+
+
+class FakeStalledEngineRemoval:
+    """The Docker engine's remove call as a stalled engine answers it once: docker-py's read timeout, the
+    container left in place (the engine is the boundary we do not own); later removals go through."""
+
+    def __init__(self, real):
+        self.real, self.refused = real, []
+
+    def __call__(self, container_id, **kwargs):
+        import requests.exceptions
+
+        if self.refused:
+            return self.real(container_id, **kwargs)
+        self.refused.append(container_id)
+        raise requests.exceptions.ReadTimeout("Read timed out. (read timeout=120)")
+
+
+def test_a_sandbox_the_engine_does_not_remove_keeps_the_episode_and_its_grade(task, monkeypatch):
+    api = engine.client().api
+    stalled = FakeStalledEngineRemoval(api.remove_container)
+    replies = iter([call("edit", path="calkit/intervals.py", old_str=BUGGY, new_str=FIXED), call("submit")])
+
+    def policy(messages):  # the engine stalls once the agent's sandbox is up: its removal is the first refused
+        monkeypatch.setattr(api, "remove_container", stalled)
+        return next(replies)
+
+    try:
+        result = run_episode_sync(task, policy, config=EpisodeConfig(max_turns=4), grade=grade_patch)
+        tr = result.transcript
+        assert tr.termination == "submit" and result.reward == 1.0, (tr.termination, tr.error)
+        assert tr.error.startswith("sandbox removal: EngineUnavailable: the Docker engine did not remove container")
+        assert "docker rm -f" in tr.error
+        # the agent's container is still there (only its removal stalled); the grader's went through
+        assert len(stalled.refused) == 1 and engine.container_running(stalled.refused[0])
+    finally:
+        monkeypatch.undo()
+        for cid in stalled.refused:
+            engine.remove_container(cid)
