@@ -9,9 +9,12 @@ One JSON line per (engine, sessions), one process. Every session has its own pro
 uniformly from [--min-prompt, --max-prompt] (seeded), random weights and prompt ids. After
 a warm-up (the same prompts in sessions of their own, through the same calls: the same batch bucket
 and bank sizes, so on CUDA every graph the timed call replays is captured, and compiled, there),
-`engine.prefill` (timed) and one token drawn from its logits, then the timed `generate(...,
-new_tokens, no stop ids, T = 1)`: its sessions lack only their newest token, so every one of its
-new_tokens tokens costs one decode step, sampling and bookkeeping included. --repeats runs (default 3)
+`engine.prefill` (timed) and one token drawn from its logits, then the timed `generate(..., 1)` and
+`generate(..., new_tokens)` (no stop ids, T = --temperature, default 1: a rollout's draw; 0 greedy): its
+sessions lack only their newest token, so every token costs one decode step, sampling and bookkeeping
+included, and the decode time is the difference of the two calls over new_tokens - 1 steps, as the
+baseline's is (a call's own set-up, building the batch from its sessions and splitting the tokens back,
+is then in neither; call_ms says what it is). --repeats runs (default 3)
 of fresh sessions each: a row reports the run of median decode time, and every run's ms_per_step in
 ms_per_step_runs (one run's step varied by up to a fifth between processes on one GPU). Rows {engine: "flashpost",
 cuda_graphs, compile_decode (the inductor-compiled decode step, --compile; its compiles fall in
@@ -20,7 +23,8 @@ host reads them, --overlap; on by default with graphs), prefill_mode (full-stack
 or CED prefill, --prefill-mode; a CED prefill counts as one forward), packed_cache (live caches as
 packed bytes, the rollout workers' default, --packed-cache), flavor, device, impl,
 sessions, prompt_lens (min, max, distinct), new_tokens, prefill_s, prefill_forwards, warmup_s,
-graph_captures, decode_s, decode_tokens_per_s, ms_per_step, forwards_per_decode_step (model calls
+graph_captures, temperature, decode_s, decode_tokens_per_s, ms_per_step, call_ms (a call's time beyond its
+steps), forwards_per_decode_step (model calls
 per decode step), bytes_per_step (weights a decode step touches at this batch + every session's
 cache, packed format), copy_gb_per_s (a device copy measured in this run) and floor_ms_per_step =
 bytes / copy rate}. On CUDA both the graph and the eager engine run (--cuda-graphs); graph engines
@@ -32,7 +36,8 @@ dynamo and inductor, which fall in warm-up). On CPU, --compile applies to the ea
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
 count: a dense Llama-style model of about the same active parameters (random weights, the same
 prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
-tokens forced with min_new_tokens, after a warm-up generate of the same length; --repeats runs too).
+tokens forced with min_new_tokens, after a warm-up generate of the same length; --repeats runs too;
+greedy at --temperature 0, else sampled at it from the whole vocabulary, no top-k or top-p, as the engine draws).
 With --spec-cost, a row {engine: "speculation_cost", sessions, t_verify_ms (k = 0..K), t_draft_ms,
 t_plain_ms (the engine's plain decode step, CUDA graphs on CUDA), break_even (tokens a speculative
 step of each k must emit to match it), best_speedup (every draft accepted), speculation_on (what
@@ -119,8 +124,8 @@ def dynamo_totals() -> dict:
 
 def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, graphs: bool, prefill_mode: str,
                compiled: bool | None = None, packed: bool = False, profile: list | None = None,
-               overlap: bool | None = None, repeats: int = 1) -> dict:  # fmt: skip
-    n = len(prompts)
+               overlap: bool | None = None, repeats: int = 1, temperature: float = 1.0) -> dict:  # fmt: skip
+    n, T = len(prompts), temperature
     before = dynamo_totals()
     engine = InferenceEngine(model, Tokenizer.default(), max_sessions=n + 1, device=device, cuda_graphs=graphs,
                              max_seq_len=max(map(len, prompts)) + new_tokens + 2 * PROFILE_STEPS + 8,
@@ -134,13 +139,13 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
     _sync(device)
     tw = time.perf_counter()
     warm = [engine.start(p) for p in prompts]
-    engine.generate(warm, 1, temperature=1.0, stop_ids=(), seed=0)
-    engine.generate(warm, new_tokens, temperature=1.0, stop_ids=(), seed=0)
+    for k in (1, 1, new_tokens):  # the timed calls' sizes: the draw from the prefill, one step, new_tokens steps
+        engine.generate(warm, k, temperature=T, stop_ids=(), seed=0)
     for sid in warm:
         engine.close(sid)
     _sync(device)
     t1w = time.perf_counter()
-    runs, sids = [], []  # (prefill s, decode s, tokens, forwards) of each timed run
+    runs, sids = [], []  # (prefill s, decode s, tokens, forwards, call s) of each timed run
     for _ in range(repeats):  # fresh sessions of the same prompts each run: the same batch and bank sizes
         for sid in sids:
             engine.close(sid)
@@ -153,20 +158,28 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         prefill_forwards = engine.stats["forward_calls"] - calls_p
         # one token drawn from the prefill's logits (no forward): the timed call's sessions then lack only
         # their newest token, and each of its tokens costs one decode step
-        engine.generate(sids, 1, temperature=1.0, stop_ids=(), seed=1)
-        _sync(device)
-        t2 = time.perf_counter()
-        calls0 = engine.stats["forward_calls"]
-        outs = engine.generate(sids, new_tokens, temperature=1.0, stop_ids=(), seed=1)
-        _sync(device)
-        t3 = time.perf_counter()
-        runs.append((t1 - t0, t3 - t2, sum(len(o.token_ids) for o in outs), engine.stats["forward_calls"] - calls0))
-    prefill_s, decode_s, tokens, forwards = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
+        engine.generate(sids, 1, temperature=T, stop_ids=(), seed=1)
+        # a call of one decode step, then one of new_tokens: the decode time is their difference, over
+        # new_tokens - 1 steps, so a call's own set-up (the batch built from the sessions, the tokens split
+        # back to them) counts once in neither, as the baseline's generate(n) - generate(1) does
+        elapsed = []
+        for k in (1, new_tokens):
+            calls0 = engine.stats["forward_calls"]
+            _sync(device)
+            t2 = time.perf_counter()
+            outs = engine.generate(sids, k, temperature=T, stop_ids=(), seed=1)
+            _sync(device)
+            elapsed.append(time.perf_counter() - t2)
+        decode_s = elapsed[1] - elapsed[0]
+        step_s = decode_s / (new_tokens - 1)
+        runs.append((t1 - t0, decode_s, sum(len(o.token_ids) for o in outs) - len(outs),
+                     engine.stats["forward_calls"] - calls0, elapsed[0] - step_s))
+    prefill_s, decode_s, tokens, forwards, call_s = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median
     nbytes = decode_bytes(args, model, engine, sids)
     lens = [len(p) for p in prompts]
     dyn = {k: round(v - before[k], 2) for k, v in dynamo_totals().items()} if compiled else {}
     if profile is not None:  # after every counter of the row is read
-        profile.append(profile_steps(engine, sids, device))
+        profile.append(profile_steps(engine, sids, device, T))
     return {
         "engine": "flashpost", "cuda_graphs": graphs, "compile_decode": compiled,
         "overlap_decode": engine.overlap_decode, "prefill_mode": prefill_mode,
@@ -175,16 +188,17 @@ def run_engine(args, flavor, device, model, prompts, new_tokens, copy_rate, grap
         "prompt_lens": [min(lens), max(lens), len(set(lens))],
         "new_tokens": new_tokens, "prefill_s": round(prefill_s, 4), "prefill_forwards": prefill_forwards,
         "warmup_s": round(t1w - tw, 4), "graph_captures": engine.graphs.captures if engine.graphs else 0,
-        "decode_s": round(decode_s, 4), "decode_tokens_per_s": round(tokens / decode_s, 1),
-        "ms_per_step": round(decode_s / new_tokens * 1e3, 3),
-        "ms_per_step_runs": [round(r[1] / new_tokens * 1e3, 3) for r in runs],
+        "temperature": T, "decode_s": round(decode_s, 4), "decode_tokens_per_s": round(tokens / decode_s, 1),
+        "ms_per_step": round(decode_s / (new_tokens - 1) * 1e3, 3),
+        "ms_per_step_runs": [round(r[1] / (new_tokens - 1) * 1e3, 3) for r in runs],
+        "call_ms": round(call_s * 1e3, 3),
         "forwards_per_decode_step": round(forwards / new_tokens, 3),
         "bytes_per_step": nbytes, "copy_gb_per_s": round(copy_rate, 1),
         "floor_ms_per_step": round(nbytes / (copy_rate * 1e9) * 1e3, 4), **dyn,
     }  # fmt: skip
 
 
-def profile_steps(engine: InferenceEngine, sids: list[int], device: torch.device) -> dict:
+def profile_steps(engine: InferenceEngine, sids: list[int], device: torch.device, temperature: float = 1.0) -> dict:
     """PROFILE_STEPS decode steps under the device profiler (kernel time), then as many under cProfile
     (the host's own time per function)."""
     import cProfile
@@ -198,7 +212,7 @@ def profile_steps(engine: InferenceEngine, sids: list[int], device: torch.device
     _sync(device)
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
-        engine.generate(sids, PROFILE_STEPS, temperature=1.0, stop_ids=(), seed=2)
+        engine.generate(sids, PROFILE_STEPS, temperature=temperature, stop_ids=(), seed=2)
         _sync(device)
     wall = time.perf_counter() - t0
     kernels: dict[str, list[float]] = {}
@@ -210,7 +224,7 @@ def profile_steps(engine: InferenceEngine, sids: list[int], device: torch.device
     busy_s, n_kernels = busy_seconds(prof) if device.type == "cuda" else (0.0, 0)
     host = cProfile.Profile()
     host.enable()
-    engine.generate(sids, PROFILE_STEPS, temperature=1.0, stop_ids=(), seed=3)
+    engine.generate(sids, PROFILE_STEPS, temperature=temperature, stop_ids=(), seed=3)
     _sync(device)
     host.disable()
     stats = pstats.Stats(host).stats  # (file, line, fn) -> (calls, primitive calls, own s, cumulative s, callers)
@@ -240,8 +254,9 @@ def run_spec_cost(model, device, n: int, graphs: bool) -> dict:
             "speculation_on": cost.best_speedup() >= engine.speculative.min_speedup}  # fmt: skip
 
 
-def run_hf(args, device, prompts, new_tokens, repeats: int = 1) -> dict | None:
-    """transformers `generate` on a dense Llama of about the same active parameters (static cache)."""
+def run_hf(args, device, prompts, new_tokens, repeats: int = 1, temperature: float = 1.0) -> dict | None:
+    """transformers `generate` on a dense Llama of about the same active parameters (static cache), drawing
+    as the engine does: greedy at temperature 0, else from the whole distribution at `temperature`."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -258,7 +273,9 @@ def run_hf(args, device, prompts, new_tokens, repeats: int = 1) -> dict | None:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     mask = (torch.arange(width, device=device)[None, :] >= (width - lens)[:, None]).long()
-    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+    draw = ({"do_sample": False} if temperature == 0 else  # no top-k (its default is 50) or top-p: the engine's draw
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0})
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, **draw,
           "cache_implementation": "static"}  # fmt: skip
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm-up: compiles the static-cache step
@@ -276,7 +293,7 @@ def run_hf(args, device, prompts, new_tokens, repeats: int = 1) -> dict | None:
     steps = new_tokens - 1
     prefill_s, dt = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
     return {"engine": "hf_generate", "device": _device_name(device), "sessions": len(prompts),
-            "params": sum(p.numel() for p in model.parameters()), "new_tokens": new_tokens,
+            "temperature": temperature, "params": sum(p.numel() for p in model.parameters()), "new_tokens": new_tokens,
             "prefill_s": round(prefill_s, 4), "decode_s": round(dt, 4), "ms_per_step": round(dt / steps * 1e3, 3),
             "ms_per_step_runs": [round(d / steps * 1e3, 3) for _, d in runs],
             "decode_tokens_per_s": round(len(prompts) * steps / dt, 1)}  # fmt: skip
@@ -312,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
     p.add_argument("--packed-cache", default="off", choices=("on", "off", "both"),
                    help="sessions' live caches as packed bytes (the rollout default; QAT models) or dense")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="both engines draw at this temperature (0: greedy); default 1, a rollout's draw")
     p.add_argument("--profile", action="store_true", help="a row of each engine's device kernels and host functions")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs of each row, the median reported (default 3; --quick: 1)")  # fmt: skip
@@ -319,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     a.repeats = (1 if a.quick else 3) if a.repeats is None else a.repeats
     if a.repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: give at least 1 timed run")
+    if a.temperature < 0:
+        raise SystemExit(f"--temperature {a.temperature}: give 0 (greedy) or more")
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -328,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         (lo, hi), new, sessions = QUICK["lens"], QUICK["new_tokens"], a.sessions or QUICK["sessions"]
     new = a.new_tokens or new
+    if new < 2:
+        raise SystemExit(f"--new-tokens {new}: the decode time is generate(n) - generate(1), so give at least 2")
     lo, hi = a.prompt_lens or (lo, hi)
     model = build_model(args, device)
     rate = copy_gb_per_s(device)
@@ -348,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
                 prof = [] if a.profile else None
                 try:
                     row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed,
-                                     prof, overlap, a.repeats)
+                                     prof, overlap, a.repeats, a.temperature)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
                     if not compiled:  # the default path (None) and uncompiled engines fail loudly
                         raise
@@ -360,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.spec_cost and model.mtp is not None:
             print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
-            row = run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats)
+            row = run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats, a.temperature)
             if row is not None:
                 print(json.dumps(row), flush=True)
 
