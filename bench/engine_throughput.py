@@ -259,8 +259,11 @@ def run_hf(args, device, prompts, new_tokens, repeats: int = 1, temperature: flo
     as the engine does: greedy at temperature 0, else from the whole distribution at `temperature`."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        return None
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == "transformers":
+            return None  # not installed: no baseline row
+        # installed but not importable, e.g. its optional `kernels` resolved to this repository's package
+        return {"engine": "hf_generate", "sessions": len(prompts), "error": f"transformers does not import: {e}"}
     act = sum(v for k, v in active_params(args, "decode").items() if k not in ("total", "backbone"))
     layers, dim = args.n_layers, args.dim
     inter = max(64, int((act / layers - 4 * dim * dim) / (3 * dim)))  # attention 4 D^2, MLP 3 D I per layer
@@ -329,8 +332,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the engine's prompt prefill (default: full; --quick: both)")  # fmt: skip
     p.add_argument("--packed-cache", default="off", choices=("on", "off", "both"),
                    help="sessions' live caches as packed bytes (the rollout default; QAT models) or dense")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="both engines draw at this temperature (0: greedy); default 1, a rollout's draw")
+    p.add_argument("--temperature", type=float, nargs="+", default=[1.0],
+                   help="both engines draw at each temperature given (0: greedy); default 1, a rollout's draw")
     p.add_argument("--profile", action="store_true", help="a row of each engine's device kernels and host functions")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs of each row, the median reported (default 3; --quick: 1)")  # fmt: skip
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     a.repeats = (1 if a.quick else 3) if a.repeats is None else a.repeats
     if a.repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: give at least 1 timed run")
-    if a.temperature < 0:
+    if min(a.temperature) < 0:
         raise SystemExit(f"--temperature {a.temperature}: give 0 (greedy) or more")
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -364,14 +367,14 @@ def main(argv: list[str] | None = None) -> None:
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
     packs = {"on": (True,), "off": (False,), "both": (False, True)}[a.packed_cache]
-    for n in sessions:
+    for n, T in [(n, T) for n in sessions for T in a.temperature]:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
         for graphs, compiled, overlap in engines:
             for pm, packed in [(pm, pk) for pm in prefill_modes for pk in packs]:
                 prof = [] if a.profile else None
                 try:
                     row = run_engine(args, a.flavor, device, model, prompts, new, rate, graphs, pm, compiled, packed,
-                                     prof, overlap, a.repeats, a.temperature)
+                                     prof, overlap, a.repeats, T)
                 except Exception as e:  # a compile failure is a result too; the other rows still run
                     if not compiled:  # the default path (None) and uncompiled engines fail loudly
                         raise
@@ -380,10 +383,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(row), flush=True)
                 for extra in prof or ():
                     print(json.dumps(extra), flush=True)
-        if a.spec_cost and model.mtp is not None:
+        if a.spec_cost and model.mtp is not None and T == a.temperature[0]:
             print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
-            row = run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats, a.temperature)
+            row = run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats, T)
             if row is not None:
                 print(json.dumps(row), flush=True)
 
