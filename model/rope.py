@@ -92,32 +92,40 @@ def rope_tables_for_layer(args: ModelArgs, layer_id: int) -> torch.Tensor:
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last R = 2·freqs_cis.size(-1) dims of `x`; any dims before them pass through.
+    """Rotate the last R dims of `x`; any dims before them pass through.
 
-    Broadcasting contract (batch first, sequence second):
+    `freqs_cis`: the table's rows, as complex64 phasors [..., R/2] (`precompute_freqs_cis`) or as their
+    real view [..., R/2, 2] of (cos, sin) (`torch.view_as_real`, what the Transformer keeps: inductor does
+    not generate code for complex ops, so a compiled step would run every complex op as a kernel of its own).
+    Broadcasting contract (batch first, sequence second), shapes of the complex form:
     * x is [B, S, ..., D] with D >= R: dim 1 is the sequence, every dim between it and the last
       is a head dim (e.g. [B, S, D] for a shared KV head, [B, S, H, D] for query heads).
     * freqs_cis is [S, R/2] (the same positions for every row) or [B or 1, S, R/2] (per-row
       positions, e.g. batched decode at different lengths); it is broadcast over the head dims.
     Pairs (x[2i], x[2i+1]) of the rotated slice are one complex number, multiplied by freqs_cis
-    (its conjugate when `inverse`). Computed in fp32, returned in x's dtype as a new tensor.
+    (its conjugate when `inverse`), written out in real arithmetic. Computed in fp32, returned in x's
+    dtype as a new tensor.
     """
-    rope_dim = 2 * freqs_cis.size(-1)
+    f = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+    assert f.size(-1) == 2, f"a real rope table ends in (cos, sin) pairs, got shape {tuple(f.shape)}"
+    half = f.size(-2)
+    rope_dim = 2 * half
     assert x.size(-1) >= rope_dim, f"x last dim {x.size(-1)} < rope dim {rope_dim}"
     assert x.ndim >= 3, f"x must be [B, S, ..., D], got shape {tuple(x.shape)}"
-    seqlen = x.size(1)
-    if freqs_cis.ndim == 2:
-        assert freqs_cis.size(0) == seqlen, f"freqs_cis has {freqs_cis.size(0)} positions, x has {seqlen}"
-        f = freqs_cis.reshape(1, seqlen, *([1] * (x.ndim - 3)), -1)
+    seqlen, heads = x.size(1), [1] * (x.ndim - 3)
+    if f.ndim == 3:
+        assert f.size(0) == seqlen, f"freqs_cis has {f.size(0)} positions, x has {seqlen}"
+        f = f.reshape(1, seqlen, *heads, half, 2)
     else:
-        ok = freqs_cis.ndim == 3 and freqs_cis.size(0) in (1, x.size(0)) and freqs_cis.size(1) == seqlen
-        assert ok, f"freqs_cis {tuple(freqs_cis.shape)} does not fit x {tuple(x.shape)}"
-        f = freqs_cis.reshape(freqs_cis.size(0), seqlen, *([1] * (x.ndim - 3)), -1)
+        ok = f.ndim == 4 and f.size(0) in (1, x.size(0)) and f.size(1) == seqlen
+        assert ok, f"freqs_cis {tuple(f.shape[:-1])} does not fit x {tuple(x.shape)}"
+        f = f.reshape(f.size(0), seqlen, *heads, half, 2)
+    cos, sin = f[..., 0], f[..., 1]
     if inverse:
-        f = f.conj()
-    x_rope = x[..., -rope_dim:]
-    xc = torch.view_as_complex(x_rope.float().contiguous().unflatten(-1, (-1, 2)))
-    y = torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
+        sin = -sin
+    xr = x[..., -rope_dim:].float().unflatten(-1, (-1, 2))
+    x0, x1 = xr[..., 0], xr[..., 1]
+    y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).to(x.dtype)
     if rope_dim == x.size(-1):
         return y
     return torch.cat([x[..., :-rope_dim], y], dim=-1)

@@ -333,7 +333,8 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ shared plumbing
     def _table(self, compressed: bool, n_pos: int, device: torch.device) -> torch.Tensor:
-        """complex [T, R/2] rope table of layers with/without compression (§3.3), T >= n_pos."""
+        """Rope table of layers with/without compression (§3.3), T >= n_pos: the real view [T, R/2, 2] (cos,
+        sin) of the complex phasors, so a compiled step fuses the rotation (model/rope.py apply_rotary_emb)."""
         a = self.args
         n = max(n_pos, a.max_seq_len)
         key = (compressed, n, str(device))
@@ -341,7 +342,7 @@ class Transformer(nn.Module):
             base, orig = (a.compress_rope_theta, a.original_seq_len) if compressed else (a.rope_theta, 0)
             table = precompute_freqs_cis(a.rope_head_dim, n, orig, base, a.rope_factor, a.beta_fast, a.beta_slow)
             self._rope_tables = {k: v for k, v in self._rope_tables.items() if k[0] != compressed}
-            self._rope_tables[key] = table.to(device)
+            self._rope_tables[key] = torch.view_as_real(table).to(device)
         return self._rope_tables[key]
 
     def _context(self, layout: AttnLayout, indexer_loss: bool, n_pos: int | None = None) -> AttnContext:
