@@ -1,6 +1,7 @@
 """RoPE/YaRN tables and the interleaved rotation (spec §3.3)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -143,3 +144,28 @@ def test_freqs_with_singleton_batch_and_shape_errors():
         apply_rotary_emb(x[:, :31], f)
     with pytest.raises(AssertionError):
         apply_rotary_emb(x, f.unsqueeze(0).expand(2, -1, -1))
+
+
+def test_the_models_real_table_rotates_as_the_complex_one_and_compiles_to_one_kernel():
+    """The Transformer keeps the table's (cos, sin) view: the same rotation as the complex phasors, per-row
+    positions included, and a compiled step of two rotations and their table gather is one fused kernel
+    (inductor generates no code for complex ops: with the complex table each was a kernel of its own)."""
+    from torch._inductor.utils import run_and_get_code
+
+    f = _table(seqlen=64)
+    real = torch.view_as_real(f)
+    x = torch.randn(3, 1, 2, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    pos = torch.tensor([5, 40, 63])
+    for inverse in (False, True):
+        complex_rows, real_rows = f[pos][:, None], real[pos][:, None]
+        assert torch.equal(apply_rotary_emb(x, real_rows, inverse), apply_rotary_emb(x, complex_rows, inverse))
+
+    def step(x, pos):
+        rows = real[pos][:, None]
+        return apply_rotary_emb(apply_rotary_emb(x, rows) * 2, rows, inverse=True)
+
+    torch._dynamo.reset()
+    out, (code, *_) = run_and_get_code(torch.compile(step, backend="inductor"), x, pos)
+    assert torch.allclose(out.float(), step(x, pos).float(), atol=2e-2)  # bf16 outputs, fp32 inside
+    assert not re.search(r"torch\.ops\.aten\.\w+\.\w+\(", code), "a rotation op fell back to an eager kernel"
+    assert code.count("async_compile.cpp_pybinding") + code.count("async_compile.triton") == 1
