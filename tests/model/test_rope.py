@@ -164,8 +164,11 @@ def test_the_models_real_table_rotates_as_the_complex_one_and_compiles_to_one_ke
         rows = real[pos][:, None]
         return apply_rotary_emb(apply_rotary_emb(x, rows) * 2, rows, inverse=True)
 
-    torch._dynamo.reset()
     out, (code, *_) = run_and_get_code(torch.compile(step, backend="inductor"), x, pos)
-    assert torch.allclose(out.float(), step(x, pos).float(), atol=2e-2)  # bf16 outputs, fp32 inside
+    # the compiled step may keep the first rotation in fp32 where eager rounds it to bf16: one bf16 rounding
+    # (2^-9 of a pair's norm, <= sqrt(2) x the largest value; rotations keep norms) plus each side's last
+    # rounding (2^-9 each) stay under 2^-6 of the largest value
+    ref = step(x, pos).float()
+    assert (out.float() - ref).abs().max() <= 2**-6 * ref.abs().max()
     assert not re.search(r"torch\.ops\.aten\.\w+\.\w+\(", code), "a rotation op fell back to an eager kernel"
     assert code.count("async_compile.cpp_pybinding") + code.count("async_compile.triton") == 1
