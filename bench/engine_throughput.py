@@ -34,10 +34,11 @@ compile their decode layers as the engine does by default (--compile off: uncomp
 compiled_frames (frames compiled: one per kind of layer and batch shape) and compile_s (seconds in
 dynamo and inductor, which fall in warm-up). On CPU, --compile applies to the eager engine.
 With `transformers` importable (and not --quick), a row {engine: "hf_generate", ...} per session
-count: a dense Llama-style model of about the same active parameters (random weights, the same
-prompts left-padded, static cache, whose decode step transformers compiles; --hf-new-tokens new
-tokens forced with min_new_tokens, after a warm-up generate of the same length; --repeats runs too;
-greedy at --temperature 0, else sampled at it from the whole vocabulary, no top-k or top-p, as the engine draws).
+count and temperature, after that count's engine rows: one dense Llama-style model of about the same
+active parameters (random weights, the same prompts left-padded, static cache, whose decode step
+transformers compiles; --hf-new-tokens new tokens forced with min_new_tokens, after a warm-up generate of the
+same length; --repeats runs too; greedy at --temperature 0, else sampled at it from the whole vocabulary, no
+top-k or top-p, as the engine draws).
 With --spec-cost, a row {engine: "speculation_cost", sessions, t_verify_ms (k = 0..K), t_draft_ms,
 t_plain_ms (the engine's plain decode step, CUDA graphs on CUDA), break_even (tokens a speculative
 step of each k must emit to match it), best_speedup (every draft accepted), speculation_on (what
@@ -56,6 +57,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -254,16 +256,17 @@ def run_spec_cost(model, device, n: int, graphs: bool) -> dict:
             "speculation_on": cost.best_speedup() >= engine.speculative.min_speedup}  # fmt: skip
 
 
-def run_hf(args, device, prompts, new_tokens, repeats: int = 1, temperature: float = 1.0) -> dict | None:
-    """transformers `generate` on a dense Llama of about the same active parameters (static cache), drawing
-    as the engine does: greedy at temperature 0, else from the whole distribution at `temperature`."""
+def run_hf(args, device, prompts, new_tokens, repeats: int = 1,
+           temperatures: Sequence[float] = (1.0,)) -> list[dict]:
+    """transformers `generate` on a dense Llama of about the same active parameters (static cache): one row per
+    temperature, drawing as the engine does (greedy at 0, else from the whole distribution at it), one model."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as e:
         if isinstance(e, ModuleNotFoundError) and e.name == "transformers":
-            return None  # not installed: no baseline row
+            return []  # not installed: no baseline rows
         # installed but not importable, e.g. its optional `kernels` resolved to this repository's package
-        return {"engine": "hf_generate", "sessions": len(prompts), "error": f"transformers does not import: {e}"}
+        return [{"engine": "hf_generate", "sessions": len(prompts), "error": f"transformers does not import: {e}"}]
     act = sum(v for k, v in active_params(args, "decode").items() if k not in ("total", "backbone"))
     layers, dim = args.n_layers, args.dim
     inter = max(64, int((act / layers - 4 * dim * dim) / (3 * dim)))  # attention 4 D^2, MLP 3 D I per layer
@@ -276,30 +279,34 @@ def run_hf(args, device, prompts, new_tokens, repeats: int = 1, temperature: flo
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     mask = (torch.arange(width, device=device)[None, :] >= (width - lens)[:, None]).long()
-    draw = ({"do_sample": False} if temperature == 0 else  # no top-k (its default is 50) or top-p: the engine's draw
-            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0})
-    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, **draw,
-          "cache_implementation": "static"}  # fmt: skip
-    with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm-up: compiles the static-cache step
-        model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
-        runs = []
-        for _ in range(repeats):
-            times = []
-            for n in (1, new_tokens):  # prefill alone, then the whole generate: decode = the difference
-                _sync(device)
-                t0 = time.perf_counter()
-                model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": n, "min_new_tokens": n})
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-            runs.append((times[0], times[1] - times[0]))
-    steps = new_tokens - 1
-    prefill_s, dt = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
-    return {"engine": "hf_generate", "device": _device_name(device), "sessions": len(prompts),
-            "temperature": temperature, "params": sum(p.numel() for p in model.parameters()), "new_tokens": new_tokens,
-            "prefill_s": round(prefill_s, 4), "decode_s": round(dt, 4), "ms_per_step": round(dt / steps * 1e3, 3),
-            "ms_per_step_runs": [round(d / steps * 1e3, 3) for _, d in runs],
-            "decode_tokens_per_s": round(len(prompts) * steps / dt, 1)}  # fmt: skip
+    rows, steps = [], new_tokens - 1
+    for temperature in temperatures:
+        draw = ({"do_sample": False} if temperature == 0 else  # no top-k (its default is 50) or top-p: the engine's
+                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0})
+        kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, **draw,
+              "cache_implementation": "static"}  # fmt: skip
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm-up: compiles the static-cache step
+            model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
+            runs = []
+            for _ in range(repeats):
+                times = []
+                for n in (1, new_tokens):  # prefill alone, then the whole generate: decode = the difference
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    model.generate(input_ids=ids, attention_mask=mask, **{**kw, "max_new_tokens": n,
+                                                                          "min_new_tokens": n})
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                runs.append((times[0], times[1] - times[0]))
+        prefill_s, dt = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
+        rows.append({"engine": "hf_generate", "device": _device_name(device), "sessions": len(prompts),
+                     "temperature": temperature, "params": sum(p.numel() for p in model.parameters()),
+                     "new_tokens": new_tokens, "prefill_s": round(prefill_s, 4), "decode_s": round(dt, 4),
+                     "ms_per_step": round(dt / steps * 1e3, 3),
+                     "ms_per_step_runs": [round(d / steps * 1e3, 3) for _, d in runs],
+                     "decode_tokens_per_s": round(len(prompts) * steps / dt, 1)})  # fmt: skip
+    return rows
 
 
 def _device_name(device: torch.device) -> str:
@@ -367,9 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     prefill = a.prefill_mode or ("both" if a.quick else "full")
     prefill_modes = ("full", "ced") if prefill == "both" else (prefill,)
     packs = {"on": (True,), "off": (False,), "both": (False, True)}[a.packed_cache]
-    for n, T in [(n, T) for n in sessions for T in a.temperature]:
+    for n in sessions:
         prompts = mixed_prompts(args, n, lo, hi, seed=n)
-        for graphs, compiled, overlap in engines:
+        for T, (graphs, compiled, overlap) in [(T, e) for T in a.temperature for e in engines]:
             for pm, packed in [(pm, pk) for pm in prefill_modes for pk in packs]:
                 prof = [] if a.profile else None
                 try:
@@ -383,11 +390,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(row), flush=True)
                 for extra in prof or ():
                     print(json.dumps(extra), flush=True)
-        if a.spec_cost and model.mtp is not None and T == a.temperature[0]:
+        if a.spec_cost and model.mtp is not None:
             print(json.dumps(run_spec_cost(model, device, n, bool(modes) and modes[0])), flush=True)
         if not (a.quick or a.no_hf):
-            row = run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats, T)
-            if row is not None:
+            for row in run_hf(args, device, prompts, a.hf_new_tokens or new, a.repeats, a.temperature):
                 print(json.dumps(row), flush=True)
 
 

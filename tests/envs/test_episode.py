@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import pytest
+import requests.exceptions
 
 from envs import engine
 from envs.episode import (
@@ -271,8 +272,6 @@ class FakeStalledEngineRemoval:
         self.real, self.refused = real, []
 
     def __call__(self, container_id, **kwargs):
-        import requests.exceptions
-
         if self.refused:
             return self.real(container_id, **kwargs)
         self.refused.append(container_id)
