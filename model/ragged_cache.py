@@ -127,6 +127,7 @@ class RaggedBatch:
         self.slack = slack
         self.dspark = [c.dspark for c in caches]  # feeding does not touch the drafter's context
         self.slots = {r: max_tokens // r + 1 for r in model.ratios}  # bank slots; the last is the trash slot
+        self._fill_index: dict = {}  # _fill's scatter indices, shared by the fields whose rows have equal lengths
         # the batch keeps `slack` more ring entries: attention and the model size rings by max_rollback
         self.cache = ModelCache(max_rollback=rb + self.slack, encoder_out_len=c0.encoder_out_len, seq_len=0)
         # (owner index, field) -> (keep, per-row lengths); owner -1 = the ModelCache itself
@@ -157,7 +158,8 @@ class RaggedBatch:
                 lc.ratio = r
                 for name in _LAYER_BANKS:
                     rows = [getattr(x, name) for x in src]
-                    setattr(lc, name, _bank([empty[name] if x is None else x for x in rows], self.slots[r]))
+                    rows = [empty[name] if x is None else x for x in rows]
+                    setattr(lc, name, _bank(rows, self.slots[r], self._fill_index))
             self.cache.layers.append(lc)
         self.pos, self.dspark = self.pos[:n_live], self.dspark[:n_live]
         self.rings = {k: (keep, lens[:n_live]) for k, (keep, lens) in self.rings.items()}
@@ -172,7 +174,7 @@ class RaggedBatch:
         lens = [0 if x is None else x.size(1) for x in rows]
         if max(lens) > keep:
             raise ValueError(f"{name} holds {max(lens)} entries, more than the {keep} a step keeps")
-        _fill(out, rows, lens, right=True)
+        _fill(out, rows, lens, right=True, index=self._fill_index)
         self.rings[(owner, name)] = (keep, lens)
         return out
 
@@ -328,14 +330,15 @@ class RaggedBatch:
         for owner, name in self.fields():
             x = getattr(owner, name).index_select(0, idx)
             i = layer_of.get(id(owner), -1)
-            for k, (b, mc) in enumerate(zip(rows, out)):
-                target = mc if i < 0 else mc.layers[i]
-                if name in _LAYER_BANKS:
-                    view = x[k : k + 1, : self.pos[b] // a.compress_ratio(i)]
-                else:
-                    n = self.rings[(i, name)][1][b]
-                    view = x[k : k + 1, x.size(1) - n :] if n else None
-                setattr(target, name, view)
+            targets = out if i < 0 else [mc.layers[i] for mc in out]
+            if name in _LAYER_BANKS:  # a bank holds the row's complete groups from slot 0
+                r = a.compress_ratio(i)
+                for k, (b, target) in enumerate(zip(rows, targets)):
+                    setattr(target, name, x[k : k + 1, : self.pos[b] // r])
+            else:  # a ring ends at the row's newest entry
+                lens, K = self.rings[(i, name)][1], x.size(1)
+                for k, (b, target) in enumerate(zip(rows, targets)):
+                    setattr(target, name, x[k : k + 1, K - lens[b] :] if lens[b] else None)
         return out
 
     def take(self, rows: list[int]) -> list[ModelCache]:
@@ -672,28 +675,37 @@ def _empty_entries(model: Transformer, packed: bool) -> dict:
             "packed": packed}  # fmt: skip
 
 
-def _bank(rows: list[torch.Tensor], slots: int) -> torch.Tensor:
-    """Banks [1,G_b,E] stacked into [B, slots, E] at slot = group number, zeros elsewhere."""
+def _bank(rows: list[torch.Tensor], slots: int, index: dict | None = None) -> torch.Tensor:
+    """Banks [1,G_b,E] stacked into [B, slots, E] at slot = group number, zeros elsewhere (`index`: _fill's)."""
     like = rows[0]
     out = like.new_zeros(len(rows), slots, like.size(-1))
     lens = [x.size(1) for x in rows]
     if max(lens) > slots - 1:
         raise ValueError(f"a bank of {max(lens)} groups does not fit {slots - 1} slots: raise max_tokens")
-    _fill(out, rows, lens, right=False)
+    _fill(out, rows, lens, right=False, index=index)
     return out
 
 
-def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool) -> None:
+def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool, index: dict | None = None) -> None:
     """out[b] takes row b's entries rows[b][0] ([1,n_b,...] or None), right-aligned (rings) or from
-    entry 0 (banks), in one copy for all rows (a batch of 256 sessions has ~100 such fields)."""
+    entry 0 (banks), in one copy for all rows (a batch of 256 sessions has ~100 such fields). `index`
+    keeps the scatter's (row, column) indices by the rows' lengths: the fields of one batch share a few
+    length patterns (every layer's window ring, each ratio's banks), so the indices are built and sent
+    to the device once per pattern instead of once per field."""
     if not any(lens):
         return
     flat = torch.cat([x[0] for x, n in zip(rows, lens) if n])
-    lens_t = torch.tensor(lens)
-    row_N = torch.repeat_interleave(torch.arange(len(rows)), lens_t)
-    j_N = torch.arange(flat.size(0)) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
-    col_N = out.size(1) - lens_t[row_N] + j_N if right else j_N
-    out[row_N.to(out.device), col_N.to(out.device)] = flat
+    key = (tuple(lens), out.size(1), right)
+    at = None if index is None else index.get(key)
+    if at is None:
+        lens_t = torch.tensor(lens)
+        row_N = torch.repeat_interleave(torch.arange(len(rows)), lens_t)
+        j_N = torch.arange(flat.size(0)) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+        col_N = out.size(1) - lens_t[row_N] + j_N if right else j_N
+        at = (row_N.to(out.device), col_N.to(out.device))
+        if index is not None:
+            index[key] = at
+    out[at] = flat
 
 
 __all__ = ["COMPILED_BUCKETS", "GRAPH_BUCKETS", "GRAPH_TOKENS", "GraphPool", "RaggedBatch", "compile_decode",
