@@ -193,9 +193,9 @@ class Learner:
             # the backward of advanced indexing (index_put_ with accumulate) adds into fp32 with parallel
             # atomics on CPU unless deterministic algorithms are on, so one batch's gradients differed
             # between repeats on a loaded machine and a resumed run parted from an uninterrupted one
-            # (docs/demo_measurements.md); deterministic mode makes those adds serial (~3% of a demo
-            # step). Process-wide: a learner owns its process (LearnerActor). Not on GPUs, where it
-            # would also switch scatters and index_put to sorting kernels
+            # (docs/demo_measurements.md); deterministic mode makes those adds serial (~4% of a demo
+            # step's forward and backward). Process-wide: a learner owns its process (LearnerActor).
+            # Not on GPUs, where it would also switch scatters and index_put to sorting kernels
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.step = 0
 
