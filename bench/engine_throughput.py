@@ -279,7 +279,7 @@ def run_hf(args, device, prompts, new_tokens, repeats: int = 1,
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     mask = (torch.arange(width, device=device)[None, :] >= (width - lens)[:, None]).long()
-    rows, steps = [], new_tokens - 1
+    rows, steps, params = [], new_tokens - 1, sum(p.numel() for p in model.parameters())
     for temperature in temperatures:
         draw = ({"do_sample": False} if temperature == 0 else  # no top-k (its default is 50) or top-p: the engine's
                 {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0})
@@ -301,7 +301,7 @@ def run_hf(args, device, prompts, new_tokens, repeats: int = 1,
                 runs.append((times[0], times[1] - times[0]))
         prefill_s, dt = sorted(runs, key=lambda r: r[1])[len(runs) // 2]  # the median run
         rows.append({"engine": "hf_generate", "device": _device_name(device), "sessions": len(prompts),
-                     "temperature": temperature, "params": sum(p.numel() for p in model.parameters()),
+                     "temperature": temperature, "params": params,
                      "new_tokens": new_tokens, "prefill_s": round(prefill_s, 4), "decode_s": round(dt, 4),
                      "ms_per_step": round(dt / steps * 1e3, 3),
                      "ms_per_step_runs": [round(d / steps * 1e3, 3) for _, d in runs],

@@ -675,7 +675,7 @@ def _empty_entries(model: Transformer, packed: bool) -> dict:
             "packed": packed}  # fmt: skip
 
 
-def _bank(rows: list[torch.Tensor], slots: int, index: dict | None = None) -> torch.Tensor:
+def _bank(rows: list[torch.Tensor], slots: int, index: dict) -> torch.Tensor:
     """Banks [1,G_b,E] stacked into [B, slots, E] at slot = group number, zeros elsewhere (`index`: _fill's)."""
     like = rows[0]
     out = like.new_zeros(len(rows), slots, like.size(-1))
@@ -686,7 +686,7 @@ def _bank(rows: list[torch.Tensor], slots: int, index: dict | None = None) -> to
     return out
 
 
-def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool, index: dict | None = None) -> None:
+def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool, index: dict) -> None:
     """out[b] takes row b's entries rows[b][0] ([1,n_b,...] or None), right-aligned (rings) or from
     entry 0 (banks), in one copy for all rows (a batch of 256 sessions has ~100 such fields). `index`
     keeps the scatter's (row, column) indices by the rows' lengths: the fields of one batch share a few
@@ -696,15 +696,13 @@ def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool, index: di
         return
     flat = torch.cat([x[0] for x, n in zip(rows, lens) if n])
     key = (tuple(lens), out.size(1), right)
-    at = None if index is None else index.get(key)
+    at = index.get(key)
     if at is None:
         lens_t = torch.tensor(lens)
         row_N = torch.repeat_interleave(torch.arange(len(rows)), lens_t)
         j_N = torch.arange(flat.size(0)) - torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
         col_N = out.size(1) - lens_t[row_N] + j_N if right else j_N
-        at = (row_N.to(out.device), col_N.to(out.device))
-        if index is not None:
-            index[key] = at
+        at = index[key] = (row_N.to(out.device), col_N.to(out.device))
     out[at] = flat
 
 
