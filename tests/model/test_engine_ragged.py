@@ -271,3 +271,25 @@ def test_extend_lays_rows_out_as_a_batch_built_with_them(model, template, hasher
     if not storage:  # the grown batch decodes as the one built whole
         ids = [7, 8, 9, 10]
         torch.testing.assert_close(grown.decode(ids), whole.decode(ids), rtol=0, atol=ATOL)
+
+
+def test_rows_copy_out_and_back_in_from_any_layout():
+    """A split's per-row copies (`_gather`) hold each row's newest entries (rings) or first ones (banks),
+    read from a plain tensor, from a ring one entry into its allocation (the batch's layout) and from a
+    tensor of other strides (copied first); `_fill` writes them back where they were read."""
+    from model.ragged_cache import _fill, _gather
+
+    x = torch.arange(4 * 7 * 3, dtype=torch.float32).view(4, 7, 3)
+    ring = torch.zeros(4, 8, 3)[:, 1:]
+    ring.copy_(x)
+    other = x.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, row-interleaved in memory
+    rows, lens = [3, 0, 2], [2, 0, 7]
+    for src in (x, ring, other):
+        for right in (True, False):
+            got = _gather(src, rows, lens, right, {})
+            for r, n, part in zip(rows, lens, got):
+                assert torch.equal(part, x[r : r + 1, 7 - n :] if right else x[r : r + 1, :n])
+    out = torch.zeros(3, 8, 3)[:, 1:]
+    _fill(out, list(_gather(ring, rows, lens, True, {})), lens, right=True, index={})
+    assert torch.equal(out[0, 5:], x[3, 5:]) and not out[0, :5].any()
+    assert not out[1].any() and torch.equal(out[2], x[2])
