@@ -704,6 +704,8 @@ def _gather(x: torch.Tensor, rows: list[int], lens: list[int], right: bool, inde
     """`_fill`'s inverse: row rows[k]'s lens[k] entries of x [B,K,...] (its newest if right, else its first),
     each [1,lens[k],...], views of one gathered copy (a row of none: an empty view). One gather and one
     split for all rows: a view per row and field is the most numerous host work of a call's set-up."""
+    if not any(lens):  # no entries to copy (a field may then hold none at all: nothing to address)
+        return (x.new_zeros(1, 0, *x.shape[2:]),) * len(lens)
     pitch = _pitch(x)
     if pitch is None:  # not rows of dense entries (the batch allocates none such)
         x, pitch = x.contiguous(), x.size(1)
@@ -712,8 +714,9 @@ def _gather(x: torch.Tensor, rows: list[int], lens: list[int], right: bool, inde
 
 
 def _pitch(x: torch.Tensor) -> int | None:
-    """Entries apart x [B,K,...]'s rows lie when its entries (x[b, k]) are dense and evenly spaced in one
-    storage, as the batch allocates them (a ring is a view one entry into its allocation); else None."""
+    """How many entries apart the rows of x [B,K,...] start in its storage, where its entries x[b, k] are
+    dense and evenly spaced, as the batch allocates them (a ring is a view one entry into its allocation);
+    else None."""
     dense, per = [], 1
     for size in reversed(x.shape[2:]):
         dense.append(per)

@@ -289,6 +289,8 @@ def test_rows_copy_out_and_back_in_from_any_layout():
             got = _gather(src, rows, lens, right, {})
             for r, n, part in zip(rows, lens, got):
                 assert torch.equal(part, x[r : r + 1, 7 - n :] if right else x[r : r + 1, :n])
+    for empty in (x, torch.zeros(4, 0, 3)):  # rows without entries, of a field with or without any
+        assert [tuple(part.shape) for part in _gather(empty, [1, 2], [0, 0], True, {})] == [(1, 0, 3)] * 2
     out = torch.zeros(3, 8, 3)[:, 1:]
     _fill(out, list(_gather(ring, rows, lens, True, {})), lens, right=True, index={})
     assert torch.equal(out[0, 5:], x[3, 5:]) and not out[0, :5].any()
