@@ -689,7 +689,7 @@ def _bank(rows: list[torch.Tensor], slots: int, index: dict) -> torch.Tensor:
 
 def _fill(out: torch.Tensor, rows: list, lens: list[int], right: bool, index: dict) -> None:
     """out[b] takes row b's entries rows[b][0] ([1,n_b,...] or None), right-aligned (rings) or from
-    entry 0 (banks), in one copy for all rows (a batch of 256 sessions has ~100 such fields). `index`
+    entry 0 (banks), in one copy for all rows (a `small` batch has ~35 such fields). `index`
     keeps the copy's indices by the rows' lengths (`_entries`). `out` is a fresh allocation (a ring: a
     view one entry into it), whose entries `_entry_rows` can address."""
     if not any(lens):
@@ -714,14 +714,12 @@ def _gather(x: torch.Tensor, rows: list[int], lens: list[int], right: bool, inde
 
 
 def _pitch(x: torch.Tensor) -> int | None:
-    """How many entries apart the rows of x [B,K,...] start in its storage, where its entries x[b, k] are
-    dense and evenly spaced, as the batch allocates them (a ring is a view one entry into its allocation);
-    else None."""
-    dense, per = [], 1
-    for size in reversed(x.shape[2:]):
-        dense.append(per)
-        per *= size
-    if tuple(reversed(dense)) != x.stride()[2:] or x.stride(1) != per or x.stride(0) % per:
+    """How many entries apart the rows of x [B,K,...] (K > 0) start in its storage, where its entries x[b, k]
+    are dense and evenly spaced, as the batch allocates them (a ring is a view one entry into its
+    allocation); else None."""
+    entry = x[0, 0]
+    per = entry.numel()
+    if not entry.is_contiguous() or x.stride(1) != per or x.stride(0) % per:
         return None
     return x.stride(0) // per
 
